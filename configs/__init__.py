@@ -1,0 +1,1 @@
+"""The YAML configs tfmem ships (installed as `tfmem.configs`); copy one to start your own."""

@@ -1,0 +1,27 @@
+"""The passes tfmem runs, one module per rewrite, grouped by pipeline stage.
+
+`passes_for(config)` returns the passes of the stages `config.passes` enables, in
+pipeline order (cleanup → match_and_replace → reorder → split). A new rewrite adds
+its class to `PASSES_BY_STAGE`.
+"""
+from __future__ import annotations
+
+from rewrites.cleanup import ForwardIdentities
+from tfmem.config import PASS_STAGES, Config
+from tfmem.passes import GraphPass
+
+PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
+    "cleanup": (ForwardIdentities,),
+    "match_and_replace": (),
+    "reorder": (),
+    "split": (),
+}
+assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
+
+
+def passes_for(config: Config) -> list[GraphPass]:
+    """Instances of every pass in the enabled stages, in run order."""
+    return [cls() for stage in config.passes for cls in PASSES_BY_STAGE[stage]]
+
+
+__all__ = ["PASSES_BY_STAGE", "passes_for", "ForwardIdentities"]

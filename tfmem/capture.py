@@ -1,0 +1,161 @@
+"""The two ends of the round trip: ConcreteFunction → GraphDef, and GraphDef → tf.function.
+
+`capture` takes a traced ConcreteFunction apart into what the passes need (a GraphDef
+with static shapes, which placeholders are arguments and which are captured tensors or
+variables, which tensors are the outputs, which ops must run for their effects).
+`import_as_function` puts a (rewritten) GraphDef back together as a `tf.function` that
+takes the same arguments as the user's function and returns the same structure.
+
+Example:
+    >>> cf = tf.function(lambda x: {"y": 2 * x}).get_concrete_function(tf.ones([3]))
+    >>> captured = capture(cf)
+    >>> f = import_as_function(captured, captured.graph_def, captured.outputs, jit_compile=True)
+    >>> f(tf.ones([3]))["y"].numpy()
+    array([2., 2., 2.], dtype=float32)
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from tfmem.graph import Graph, TensorRef, is_stateful
+
+# Stateful ops that only read: recomputing them (e.g. in a backward pass) is harmless.
+_READ_ONLY_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "VarIsInitializedOp",
+                                     "Placeholder", "NoOp"})
+
+
+class UnsupportedFunction(ValueError):
+    """tfmem cannot rewrite this function; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedFunction:
+    """A traced function taken apart for rewriting.
+
+    Attributes:
+        concrete: the ConcreteFunction it came from (never mutated).
+        graph_def: its GraphDef, with `_output_shapes` on every node.
+        arg_inputs: tensor names of the argument placeholders, in call order.
+        captures: (external tensor, internal tensor name) of each captured input.
+        outputs: tensor names of the flat outputs.
+        control_outputs: names of ops that must run for their effects (variable writes).
+        variables: the variables the function reads or writes.
+        has_side_effects: whether running it twice differs from running it once.
+    """
+
+    concrete: Any
+    graph_def: graph_pb2.GraphDef
+    arg_inputs: tuple[str, ...]
+    captures: tuple[tuple[Any, str], ...]
+    outputs: tuple[str, ...]
+    control_outputs: tuple[str, ...]
+    variables: tuple[tf.Variable, ...]
+    has_side_effects: bool
+
+    def to_graph(self) -> Graph:
+        """The Graph view passes work on: outputs protected, placeholders and effects kept."""
+        placeholders = {n.name for n in self.graph_def.node if n.op == "Placeholder"}
+        return Graph(self.graph_def, outputs=self.outputs,
+                     keep=placeholders | set(self.control_outputs))
+
+
+def capture(concrete: Any) -> CapturedFunction:
+    """Takes a ConcreteFunction apart.
+
+    Raises:
+        UnsupportedFunction: if an argument's shape is not fully static, or the outputs
+            cannot be matched to the graph's tensors.
+    """
+    graph = concrete.graph
+    n_args = len(graph.inputs) - len(graph.captures)
+    args = graph.inputs[:n_args]
+    for tensor in args:
+        if tensor.dtype != tf.resource and not tensor.shape.is_fully_defined():
+            raise UnsupportedFunction(
+                f"argument {tensor.name.split(':')[0]!r} has dynamic shape {tensor.shape}; "
+                "tfmem sizes tensors statically, so every argument needs a fully known shape")
+    graph_def = graph.as_graph_def(add_shapes=True)
+    leaves = [leaf for leaf in tf.nest.flatten(concrete.structured_outputs, expand_composites=True)
+              if isinstance(leaf, tf.Tensor)]
+    if [t.name for t in leaves] != [t.name for t in concrete.outputs]:
+        raise UnsupportedFunction("the function's outputs do not map one-to-one onto graph tensors")
+    return CapturedFunction(
+        concrete=concrete,
+        graph_def=graph_def,
+        arg_inputs=tuple(t.name for t in args),
+        captures=tuple((external, internal.name) for external, internal in graph.captures),
+        outputs=tuple(t.name for t in concrete.outputs),
+        control_outputs=tuple(op.name for op in graph.control_outputs),
+        variables=tuple(graph.variables),
+        has_side_effects=_has_side_effects(graph_def),
+    )
+
+
+def _has_side_effects(graph_def: graph_pb2.GraphDef) -> bool:
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return any(is_stateful(n) and n.op not in _READ_ONLY_STATEFUL_OPS for n in nodes)
+
+
+def import_as_function(captured: CapturedFunction, graph_def: graph_pb2.GraphDef,
+                       outputs: Sequence[str | TensorRef], *, jit_compile: bool,
+                       input_signature: Any = None, name: str = "tfmem") -> Any:
+    """Builds a `tf.function` that runs `graph_def` in place of `captured`'s function.
+
+    The new function is called with the user's original arguments. Inside its trace,
+    its argument placeholders line up one-to-one with the original's (both were traced
+    from the same call), so they are mapped onto the imported graph's placeholders;
+    captured tensors and variable handles are re-bound the same way.
+
+    Args:
+        captured: the original function, taken apart.
+        graph_def: the (rewritten) graph; it must keep the original's placeholder names.
+        outputs: its output tensors, one per original flat output.
+        jit_compile: compile with XLA.
+    """
+    outputs = [TensorRef.parse(o).name for o in outputs]
+    placeholders = {n.name for n in graph_def.node if n.op == "Placeholder"}
+    used = {TensorRef.parse(t.lstrip("^")).node for n in graph_def.node for t in n.input}
+    used |= {TensorRef.parse(o).node for o in outputs}
+    # Mapped placeholders must not be imported: XLA has no kernel for Placeholder.
+    stripped = graph_pb2.GraphDef()
+    stripped.CopyFrom(graph_def)
+    del stripped.node[:]
+    stripped.node.extend(n for n in graph_def.node if n.name not in placeholders)
+    control_outputs = [c for c in captured.control_outputs if c not in placeholders]
+    structure = captured.concrete.structured_outputs
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        arg_tensors = list(tf.compat.v1.get_default_graph().inputs)
+        if len(arg_tensors) != len(captured.arg_inputs):
+            raise UnsupportedFunction(
+                f"re-tracing gave {len(arg_tensors)} argument tensors, the original had "
+                f"{len(captured.arg_inputs)}")
+        input_map: dict[str, tf.Tensor] = {}
+        for original, tensor in zip(captured.arg_inputs, arg_tensors):
+            if TensorRef.parse(original).node in used:
+                input_map[original] = tensor
+        for external, internal in captured.captures:
+            node = TensorRef.parse(internal).node
+            if node in placeholders and node in used:
+                input_map[internal] = tf.identity(external)
+        results = tf.graph_util.import_graph_def(
+            stripped, input_map=input_map, return_elements=outputs + control_outputs, name=name)
+        tensors = results[:len(outputs)]
+        if control_outputs:  # effects first, then results, as the original promised
+            with tf.control_dependencies(results[len(outputs):]):
+                tensors = [tf.identity(t) for t in tensors]
+        leaves = iter(tensors)
+        flat = [next(leaves) if isinstance(leaf, tf.Tensor) else leaf
+                for leaf in tf.nest.flatten(structure, expand_composites=True)]
+        return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
+
+    body.__name__ = name
+    return tf.function(body, jit_compile=jit_compile, input_signature=input_signature,
+                       autograph=False)

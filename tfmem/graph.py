@@ -1,0 +1,479 @@
+"""`Graph`: a mutable, indexed view over a TensorFlow GraphDef.
+
+Passes read and edit graphs only through this view. It is the one place that parses
+the GraphDef's input strings (`"node"`, `"node:1"`, `"^control"`), so passes speak in
+`TensorRef`s and node names. It copies the GraphDef it is given (the caller's proto is
+never mutated) and carries the function `library` and `versions` along.
+
+Static types come from TensorFlow itself: dtypes from each op's registered OpDef and
+shapes from the `_output_shapes` attribute that `as_graph_def(add_shapes=True)` writes.
+New nodes get their shapes from `splice`, which builds them with real TF ops.
+
+Example:
+    >>> import tensorflow as tf
+    >>> @tf.function
+    ... def f(x):
+    ...     return tf.reduce_sum(tf.exp(x))
+    >>> cf = f.get_concrete_function(tf.TensorSpec([4, 3], tf.float32))
+    >>> g = Graph(cf.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in cf.outputs])
+    >>> [n.op for n in g.nodes if n.op == "Exp"], g.spec(TensorRef("Exp")).shape
+    (['Exp'], TensorShape([4, 3]))
+    >>> (log,) = g.splice(lambda e: tf.math.log(e), [TensorRef("Exp")])
+    >>> g.node(log.node).op
+    'Log'
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
+from tensorflow.python.framework import op_def_registry
+
+# Ops whose output is a view of (or the same buffer as) their first input: they extend
+# the input's lifetime but allocate nothing of their own.
+ALIASING_OPS = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze",
+                          "StopGradient", "Snapshot", "PreventGradient", "EnsureShape",
+                          "CheckNumerics"})
+# Ops that hold state or talk to the outside world: never removed, never duplicated.
+_ALWAYS_KEEP_OPS = frozenset({"Placeholder", "NoOp"})
+
+
+class GraphError(ValueError):
+    """A graph is malformed, or an edit would make it so."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TensorRef:
+    """One output of one node: `TensorRef("MatMul", 0)` is the tensor `"MatMul:0"`."""
+
+    node: str
+    index: int = 0
+
+    @classmethod
+    def parse(cls, name: str | TensorRef) -> TensorRef:
+        """`"a/b:1"` → `TensorRef("a/b", 1)`; a bare node name means output 0."""
+        if isinstance(name, TensorRef):
+            return name
+        if name.startswith("^"):
+            raise GraphError(f"{name!r} is a control input, not a tensor")
+        node, sep, index = name.rpartition(":")
+        if sep and index.isdigit():
+            return cls(node, int(index))
+        return cls(name, 0)
+
+    @property
+    def name(self) -> str:
+        return f"{self.node}:{self.index}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def as_input(self) -> str:
+        """The NodeDef input-string form: `"node"` for output 0, `"node:i"` otherwise."""
+        return self.node if self.index == 0 else self.name
+
+
+def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:
+    data: list[TensorRef] = []
+    control: list[str] = []
+    for text in node.input:
+        if text.startswith("^"):
+            control.append(text[1:])
+        else:
+            data.append(TensorRef.parse(text))
+    return data, control
+
+
+def _resolve_type(node: node_def_pb2.NodeDef, attr_name: str, op_def: Any) -> Any:
+    if attr_name in node.attr:
+        return node.attr[attr_name]
+    for attr in op_def.attr:  # fall back to the OpDef's default
+        if attr.name == attr_name and attr.HasField("default_value"):
+            return attr.default_value
+    raise GraphError(f"node {node.name!r} ({node.op}) has no attr {attr_name!r}")
+
+
+def output_dtypes(node: node_def_pb2.NodeDef,
+                  library: function_pb2.FunctionDefLibrary | None = None) -> list[tf.DType]:
+    """The dtypes of a node's outputs, read from its registered OpDef (or library function)."""
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        for function in (library.function if library is not None else ()):
+            if function.signature.name == node.op:
+                op_def = function.signature
+                break
+        else:
+            raise GraphError(f"node {node.name!r}: op {node.op!r} is not registered")
+    dtypes: list[tf.DType] = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            dtypes.extend(tf.as_dtype(t) for t in _resolve_type(node, arg.type_list_attr, op_def).list.type)
+            continue
+        dtype = tf.as_dtype(arg.type if arg.type else _resolve_type(node, arg.type_attr, op_def).type)
+        count = _resolve_type(node, arg.number_attr, op_def).i if arg.number_attr else 1
+        dtypes.extend([dtype] * count)
+    return dtypes
+
+
+def is_stateful(node: node_def_pb2.NodeDef) -> bool:
+    """Whether the op is registered as stateful (variables, random, I/O...)."""
+    op_def = op_def_registry.get(node.op)
+    return bool(op_def is not None and op_def.is_stateful)
+
+
+class Graph:
+    """A mutable view over a copy of a GraphDef, indexed for rewriting.
+
+    Args:
+        graph_def: the graph; copied, never mutated.
+        outputs: tensors the graph must keep producing (the function's results). A
+            rewrite that replaces one of them updates this list.
+        keep: node names that must survive pruning even if nothing reads them
+            (control outputs such as variable writes, the function's placeholders).
+    """
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, *,
+                 outputs: Iterable[str | TensorRef] = (), keep: Iterable[str] = ()) -> None:
+        self._nodes: dict[str, node_def_pb2.NodeDef] = {}
+        for node in graph_def.node:
+            if node.name in self._nodes:
+                raise GraphError(f"duplicate node name {node.name!r}")
+            self._nodes[node.name] = node_def_pb2.NodeDef.FromString(node.SerializeToString())
+        self.library = function_pb2.FunctionDefLibrary()
+        self.library.CopyFrom(graph_def.library)
+        self.versions = graph_def.versions.__class__()
+        self.versions.CopyFrom(graph_def.versions)
+        self.outputs: list[TensorRef] = [TensorRef.parse(o) for o in outputs]
+        self.keep: set[str] = set(keep)
+        self._consumer_index: dict[str, list[tuple[str, int]]] | None = None
+        self._name_counter = 0
+
+    # --- reading ------------------------------------------------------------------
+
+    def copy(self) -> Graph:
+        return Graph(self.to_graph_def(), outputs=self.outputs, keep=self.keep)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._nodes
+
+    def node(self, name: str) -> node_def_pb2.NodeDef:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise GraphError(f"no node named {name!r}") from None
+
+    @property
+    def nodes(self) -> list[node_def_pb2.NodeDef]:
+        """All nodes, in a topological order (producers before consumers)."""
+        return [self._nodes[name] for name in self.topological_order()]
+
+    def inputs(self, name: str) -> list[TensorRef]:
+        """The data inputs of a node, in order."""
+        return _split_inputs(self.node(name))[0]
+
+    def control_inputs(self, name: str) -> list[str]:
+        return _split_inputs(self.node(name))[1]
+
+    def consumers(self, tensor: TensorRef | str) -> list[tuple[str, int]]:
+        """`(node name, input position)` of every data use of `tensor`."""
+        tensor = TensorRef.parse(tensor)
+        return [(n, i) for n, i in self._consumers().get(tensor.node, ()) if i >= 0
+                and self.inputs(n)[i] == tensor]
+
+    def node_consumers(self, name: str) -> list[str]:
+        """Names of all nodes that read any output of `name` or depend on it by control."""
+        seen: dict[str, None] = {}
+        for consumer, _ in self._consumers().get(name, ()):
+            seen[consumer] = None
+        return list(seen)
+
+    def is_output(self, tensor: TensorRef) -> bool:
+        return tensor in self.outputs
+
+    def output_specs(self, name: str) -> list[tf.TensorSpec]:
+        """The static dtype and shape of each output of a node."""
+        node = self.node(name)
+        dtypes = output_dtypes(node, self.library)
+        shapes = list(node.attr["_output_shapes"].list.shape) if "_output_shapes" in node.attr else []
+        if len(shapes) != len(dtypes):
+            shapes = [None] * len(dtypes)  # unknown: lint reports it
+        return [tf.TensorSpec(tf.TensorShape(s) if s is not None else tf.TensorShape(None), d)
+                for s, d in zip(shapes, dtypes)]
+
+    def spec(self, tensor: TensorRef | str) -> tf.TensorSpec:
+        tensor = TensorRef.parse(tensor)
+        specs = self.output_specs(tensor.node)
+        if tensor.index >= len(specs):
+            raise GraphError(f"{tensor} does not exist: {tensor.node!r} has {len(specs)} outputs")
+        return specs[tensor.index]
+
+    def nbytes(self, tensor: TensorRef | str) -> int | None:
+        """Bytes of a tensor, or None if its shape is not fully static (or its dtype has no size)."""
+        spec = self.spec(tensor)
+        if not spec.shape.is_fully_defined() or spec.dtype in (tf.resource, tf.variant, tf.string):
+            return None
+        return spec.shape.num_elements() * spec.dtype.size
+
+    def function(self, name: str) -> function_pb2.FunctionDef | None:
+        """The library function called `name`, if the graph carries one."""
+        for function in self.library.function:
+            if function.signature.name == name:
+                return function
+        return None
+
+    def is_stateful(self, name: str) -> bool:
+        return is_stateful(self.node(name))
+
+    # --- order --------------------------------------------------------------------
+
+    def topological_order(self) -> list[str]:
+        """Node names, producers first; ties keep the order nodes were added in.
+
+        Raises:
+            GraphError: if the graph has a cycle or an input names a missing node.
+        """
+        position = {name: i for i, name in enumerate(self._nodes)}
+        pending: dict[str, int] = {}
+        for name, node in self._nodes.items():
+            producers = {TensorRef.parse(text.lstrip("^")).node for text in node.input}
+            missing = producers - position.keys()
+            if missing:
+                raise GraphError(f"node {name!r} reads missing node(s) {sorted(missing)}")
+            pending[name] = len(producers)
+        ready = [(position[n], n) for n, count in pending.items() if count == 0]
+        heapq.heapify(ready)
+        order: list[str] = []
+        consumers = self._consumers()
+        while ready:
+            _, name = heapq.heappop(ready)
+            order.append(name)
+            for consumer in dict.fromkeys(c for c, _ in consumers.get(name, ())):
+                pending[consumer] -= 1
+                if pending[consumer] == 0:
+                    heapq.heappush(ready, (position[consumer], consumer))
+        if len(order) != len(self._nodes):
+            stuck = sorted(set(self._nodes) - set(order))[:5]
+            raise GraphError(f"graph has a cycle through {stuck}")
+        return order
+
+    def _consumers(self) -> dict[str, list[tuple[str, int]]]:
+        # producer node → [(consumer node, data input position or -1 for control)]
+        if self._consumer_index is None:
+            index: dict[str, list[tuple[str, int]]] = {}
+            for name, node in self._nodes.items():
+                data_position = 0
+                seen_producers: set[str] = set()
+                for text in node.input:
+                    if text.startswith("^"):
+                        producer, position = text[1:], -1
+                    else:
+                        producer, position = TensorRef.parse(text).node, data_position
+                        data_position += 1
+                    if position >= 0 or producer not in seen_producers:
+                        index.setdefault(producer, []).append((name, position))
+                    seen_producers.add(producer)
+            self._consumer_index = index
+        return self._consumer_index
+
+    # --- editing ------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self._consumer_index = None
+
+    def unique_name(self, base: str) -> str:
+        """A node name not yet in the graph, derived from `base`."""
+        if base not in self._nodes:
+            return base
+        while True:
+            self._name_counter += 1
+            candidate = f"{base}_{self._name_counter}"
+            if candidate not in self._nodes:
+                return candidate
+
+    def add_node(self, node: node_def_pb2.NodeDef) -> str:
+        """Adds a NodeDef (copied; renamed if its name is taken). Returns its name."""
+        copy = node_def_pb2.NodeDef()
+        copy.CopyFrom(node)
+        copy.name = self.unique_name(node.name)
+        self._nodes[copy.name] = copy
+        self._changed()
+        return copy.name
+
+    def set_input(self, name: str, position: int, tensor: TensorRef) -> None:
+        """Points data input `position` of node `name` at `tensor`."""
+        node = self.node(name)
+        data_positions = [i for i, text in enumerate(node.input) if not text.startswith("^")]
+        node.input[data_positions[position]] = tensor.as_input()
+        self._changed()
+
+    def replace_all_uses(self, old: TensorRef | str, new: TensorRef | str) -> int:
+        """Makes every reader of `old` (and the graph outputs) read `new`. Returns the count."""
+        old, new = TensorRef.parse(old), TensorRef.parse(new)
+        uses = self.consumers(old)
+        for consumer, position in uses:
+            self.set_input(consumer, position, new)
+        count = len(uses)
+        for i, output in enumerate(self.outputs):
+            if output == old:
+                self.outputs[i] = new
+                count += 1
+        return count
+
+    def remove(self, name: str) -> None:
+        """Removes a node that nothing reads.
+
+        Raises:
+            GraphError: if the node still has consumers or is an output.
+        """
+        users = self.node_consumers(name)
+        if users:
+            raise GraphError(f"cannot remove {name!r}: still read by {users[:5]}")
+        if any(o.node == name for o in self.outputs):
+            raise GraphError(f"cannot remove {name!r}: it produces a graph output")
+        del self._nodes[name]
+        self.keep.discard(name)
+        self._changed()
+
+    def prune(self) -> list[str]:
+        """Removes nodes that no output, kept node or stateful op needs. Returns their names."""
+        roots = {o.node for o in self.outputs} | (self.keep & self._nodes.keys())
+        roots |= {n for n, node in self._nodes.items()
+                  if node.op in _ALWAYS_KEEP_OPS or is_stateful(node)}
+        needed: set[str] = set()
+        stack = list(roots)
+        while stack:
+            name = stack.pop()
+            if name in needed:
+                continue
+            needed.add(name)
+            stack.extend(TensorRef.parse(t.lstrip("^")).node for t in self._nodes[name].input)
+        dead = [n for n in self._nodes if n not in needed]
+        for name in dead:
+            del self._nodes[name]
+        if dead:
+            self._changed()
+        return dead
+
+    def splice(self, build: Callable[..., Any], inputs: Sequence[TensorRef | str], *,
+               scope: str = "tfmem") -> list[TensorRef]:
+        """Adds the ops `build` creates from `inputs`; returns refs to its outputs.
+
+        `build` receives one symbolic tensor per input (with the input's static dtype and
+        shape) and returns a tensor or a sequence of tensors, built with ordinary TF ops.
+        This is the op builder rewrites use: the new nodes get correct attrs and shapes.
+
+        Example:
+            >>> sq = graph.splice(lambda x: tf.reduce_sum(tf.square(x), -1), [x_ref])
+        """
+        refs = [TensorRef.parse(t) for t in inputs]
+        with tf.Graph().as_default() as scratch:
+            placeholders = [tf.compat.v1.placeholder(self.spec(r).dtype, self.spec(r).shape,
+                                                     name=f"splice_input_{i}")
+                            for i, r in enumerate(refs)]
+            result = build(*placeholders)
+            outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        fragment = scratch.as_graph_def(add_shapes=True)
+        by_placeholder = {p.op.name: r for p, r in zip(placeholders, refs)}
+        prefix = self.unique_name(scope)
+        renamed = {n.name: f"{prefix}/{n.name}" for n in fragment.node if n.name not in by_placeholder}
+
+        def rewire(text: str) -> str:
+            control = text.startswith("^")
+            ref = TensorRef.parse(text.lstrip("^"))
+            if ref.node in by_placeholder:
+                if control:
+                    return "^" + by_placeholder[ref.node].node
+                return by_placeholder[ref.node].as_input()
+            target = TensorRef(renamed[ref.node], ref.index)
+            return "^" + target.node if control else target.as_input()
+
+        for node in fragment.node:
+            if node.name in by_placeholder:
+                continue
+            new = node_def_pb2.NodeDef()
+            new.CopyFrom(node)
+            new.name = renamed[node.name]
+            del new.input[:]
+            new.input.extend(rewire(t) for t in node.input)
+            self._nodes[new.name] = new
+        self.merge_library(fragment.library)
+        self._changed()
+        result_refs = []
+        for tensor in outputs:
+            name = tensor.op.name
+            if name in by_placeholder:
+                result_refs.append(by_placeholder[name])
+            else:
+                result_refs.append(TensorRef(renamed[name], tensor.value_index))
+        return result_refs
+
+    def merge_library(self, library: function_pb2.FunctionDefLibrary) -> None:
+        """Adds the functions (and gradients) of `library` that this graph lacks."""
+        have = {f.signature.name for f in self.library.function}
+        for function in library.function:
+            if function.signature.name not in have:
+                self.library.function.add().CopyFrom(function)
+        have_gradients = {g.function_name for g in self.library.gradient}
+        for gradient in library.gradient:
+            if gradient.function_name not in have_gradients:
+                self.library.gradient.add().CopyFrom(gradient)
+
+    # --- checking and output -------------------------------------------------------
+
+    def lint(self) -> list[str]:
+        """Problems that would make the graph wrong or unimportable; empty when clean."""
+        problems: list[str] = []
+        try:
+            self.topological_order()
+        except GraphError as err:
+            return [str(err)]
+        for output in self.outputs:
+            if output.node not in self._nodes:
+                problems.append(f"output {output} names a missing node")
+            elif output.index >= len(self.output_specs(output.node)):
+                problems.append(f"output {output} is past the node's outputs")
+        for name, node in self._nodes.items():
+            try:
+                specs = self.output_specs(name)
+            except GraphError as err:
+                problems.append(str(err))
+                continue
+            if specs and "_output_shapes" not in node.attr:
+                problems.append(f"node {name!r} ({node.op}) has no static shapes")
+            for ref in self.inputs(name):
+                if ref.index >= len(self.output_specs(ref.node)):
+                    problems.append(f"node {name!r} reads {ref}, past {ref.node!r}'s outputs")
+        return problems
+
+    def check(self) -> None:
+        """Raises GraphError listing every lint problem."""
+        problems = self.lint()
+        if problems:
+            raise GraphError("; ".join(problems[:10]))
+
+    def to_graph_def(self) -> graph_pb2.GraphDef:
+        """A new GraphDef, nodes in topological order, with library and versions."""
+        graph_def = graph_pb2.GraphDef()
+        graph_def.node.extend(self._nodes[n] for n in self.topological_order())
+        graph_def.library.CopyFrom(self.library)
+        graph_def.versions.CopyFrom(self.versions)
+        return graph_def
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for node in self._nodes.values():
+            counts[node.op] = counts.get(node.op, 0) + 1
+        return counts
+
+    def find(self, op: str | Iterable[str]) -> Iterator[node_def_pb2.NodeDef]:
+        """Nodes whose op is `op` (or one of several), in topological order."""
+        ops = {op} if isinstance(op, str) else set(op)
+        return (n for n in self.nodes if n.op in ops)
+

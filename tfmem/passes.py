@@ -1,0 +1,159 @@
+"""Graph passes and the PassManager that runs them.
+
+A pass takes a Graph and returns a `PassResult(graph, modified, records)`. Records say
+what fired, what was rejected and why, so the Report and `explain` need no other source.
+The PassManager runs the passes in order, repeatedly, until none changes the graph;
+with `lint=True` it checks the graph after every pass and names the pass that broke it.
+
+Example:
+    >>> class DropIdentities(GraphPass):
+    ...     name, stage = "drop_identities", "cleanup"
+    ...     def run(self, graph, config):
+    ...         records = []
+    ...         for node in list(graph.find("Identity")):
+    ...             if not graph.is_output(TensorRef(node.name)):
+    ...                 graph.replace_all_uses(TensorRef(node.name), graph.inputs(node.name)[0])
+    ...                 records.append(RewriteRecord(self.name, "identity", "fired", (node.name,)))
+    ...         graph.prune()
+    ...         return PassResult(graph, bool(records), records)
+    >>> result = PassManager([DropIdentities()], lint=True).run(graph, Config())
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from tfmem.config import Config
+from tfmem.graph import Graph, GraphError
+
+logger = logging.getLogger(__name__)
+
+RecordStatus = Literal["fired", "rejected", "split", "unsplit", "info"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteRecord:
+    """One thing a pass did or declined to do.
+
+    Attributes:
+        pass_name: the pass that wrote it.
+        rule: the rule or transformation (e.g. "ExpandSquaredDistance").
+        status: "fired", "rejected" (with `reason`), "split", "unsplit" or "info".
+        nodes: the nodes concerned (the match's root first).
+        reason: why a match was rejected or a tensor left unsplit.
+        details: anything else worth reporting (chunk counts, byte sizes, ...).
+    """
+
+    pass_name: str
+    rule: str
+    status: RecordStatus
+    nodes: tuple[str, ...] = ()
+    reason: str = ""
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        where = f" at {self.nodes[0]}" if self.nodes else ""
+        why = f": {self.reason}" if self.reason else ""
+        extra = "".join(f" {k}={v}" for k, v in self.details.items())
+        return f"[{self.pass_name}] {self.rule} {self.status}{where}{why}{extra}"
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What a pass returns: the (possibly edited) graph, whether it changed, and records."""
+
+    graph: Graph
+    modified: bool
+    records: list[RewriteRecord] = dataclasses.field(default_factory=list)
+
+
+class GraphPass(abc.ABC):
+    """A graph-to-graph transformation. Subclasses set `name` and `stage` and implement `run`.
+
+    `run` may edit the graph it is given in place (the PassManager hands it a private
+    copy) and returns it inside a PassResult.
+    """
+
+    name: ClassVar[str]
+    stage: ClassVar[str]
+
+    @abc.abstractmethod
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        raise NotImplementedError
+
+
+class PassError(RuntimeError):
+    """A pass raised, or left the graph malformed. `pass_name` says which."""
+
+    def __init__(self, pass_name: str, cause: BaseException | str) -> None:
+        self.pass_name = pass_name
+        super().__init__(f"pass {pass_name!r} failed: {cause}")
+
+
+@dataclasses.dataclass
+class PipelineResult:
+    """The PassManager's output: final graph, all records, seconds per pass, rounds run."""
+
+    graph: Graph
+    records: list[RewriteRecord]
+    seconds: dict[str, float]
+    iterations: int
+
+    @property
+    def modified(self) -> bool:
+        return any(r.status in ("fired", "split") for r in self.records)
+
+
+class PassManager:
+    """Runs passes in order to a fixed point.
+
+    Args:
+        passes: the passes, in run order.
+        max_iterations: rounds over all passes before giving up on a fixed point.
+        lint: check the graph after each pass (tests turn this on).
+    """
+
+    def __init__(self, passes: Sequence[GraphPass], *, max_iterations: int = 4,
+                 lint: bool = False) -> None:
+        self.passes = list(passes)
+        self.max_iterations = max_iterations
+        self.lint = lint
+
+    def run(self, graph: Graph, config: Config) -> PipelineResult:
+        """Runs the passes on a copy of `graph`.
+
+        Raises:
+            PassError: naming the pass that raised or (with lint) broke the graph.
+        """
+        graph = graph.copy()
+        records: list[RewriteRecord] = []
+        seconds = {p.name: 0.0 for p in self.passes}
+        iterations = 0
+        for iterations in range(1, self.max_iterations + 1):
+            changed = False
+            for graph_pass in self.passes:
+                start = time.perf_counter()
+                try:
+                    result = graph_pass.run(graph, config)
+                except Exception as err:  # name the culprit; the wrapper decides what to do
+                    raise PassError(graph_pass.name, f"{type(err).__name__}: {err}") from err
+                finally:
+                    seconds[graph_pass.name] += time.perf_counter() - start
+                if self.lint:
+                    problems = result.graph.lint()
+                    if problems:
+                        raise PassError(graph_pass.name, GraphError("; ".join(problems[:5])))
+                graph = result.graph
+                records.extend(result.records)
+                changed |= result.modified
+            if not changed:
+                break
+        else:
+            logger.info("passes did not reach a fixed point in %d rounds", self.max_iterations)
+        # A rejection is re-recorded on every round; report each once.
+        unique = {(r.pass_name, r.rule, r.status, r.nodes, r.reason): r for r in records}
+        return PipelineResult(graph, list(unique.values()), seconds, iterations)
