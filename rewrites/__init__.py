@@ -7,13 +7,15 @@ its class to `PASSES_BY_STAGE`.
 from __future__ import annotations
 
 from rewrites.cleanup import ForwardIdentities
+from rewrites.diag_of_product import ContractDiagOfProduct
+from rewrites.matmul_chain import ReorderMatMulChain
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities,),
     "match_and_replace": (),
-    "reorder": (),
+    "reorder": (ContractDiagOfProduct, ReorderMatMulChain),
     "split": (),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -84,6 +85,8 @@ class TfmemFunction:
         self._jit_compile = jit_compile
         self._input_signature = input_signature
         self._name = name or getattr(fn, "__name__", type(fn).__name__)
+        # TF scope names allow only [A-Za-z0-9_.\\/>-]: "<lambda>" would be refused.
+        self._scope = re.sub(r"[^A-Za-z0-9_.]", "_", self._name)
         self._passes = passes
         self._lint = lint
         # Stock tf.function: traces for us (same retracing rules) and is the fallback.
@@ -241,7 +244,7 @@ class TfmemFunction:
             signature.captured = captured
             signature.compiled = import_as_function(
                 captured, rewritten, result.graph.outputs, jit_compile=config.jit_compile,
-                input_signature=self._input_signature, name=f"tfmem_{self._name}")
+                input_signature=self._input_signature, name=f"tfmem_{self._scope}")
             report.status = "rewritten" if result.modified else "unchanged"
         except Exception as err:  # any failure: keep the user's program running
             report.status, report.reason = "fallback", f"{type(err).__name__}: {_first_line(err)}"

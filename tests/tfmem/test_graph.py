@@ -1,0 +1,124 @@
+"""Graph: parsing, indexes, edits, splice, lint, and the caller's GraphDef left alone."""
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+from tfmem import Graph, GraphError, TensorRef
+
+
+def traced(fn, *specs) -> tuple[Graph, object]:
+    concrete = tf.function(fn).get_concrete_function(*specs)
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    return Graph(graph_def, outputs=[t.name for t in concrete.outputs]), graph_def
+
+
+def _two_outputs(x):
+    values, indices = tf.math.top_k(x, k=2)
+    return tf.exp(values) + 1.0, indices
+
+
+SPEC = tf.TensorSpec([4, 5], tf.float32)
+
+
+@pytest.mark.parametrize("text, ref", [("a", TensorRef("a", 0)), ("a:0", TensorRef("a", 0)),
+                                       ("scope/a:2", TensorRef("scope/a", 2)),
+                                       ("a:b", TensorRef("a:b", 0))])
+def test_tensor_ref_parse(text: str, ref: TensorRef) -> None:
+    assert TensorRef.parse(text) == ref
+
+
+def test_tensor_ref_rejects_control_input() -> None:
+    with pytest.raises(GraphError, match="control"):
+        TensorRef.parse("^a")
+
+
+def test_specs_consumers_and_order() -> None:
+    graph, _ = traced(_two_outputs, SPEC)
+    (topk,) = list(graph.find("TopKV2"))
+    assert graph.spec(TensorRef(topk.name, 0)) == tf.TensorSpec([4, 2], tf.float32)
+    assert graph.spec(TensorRef(topk.name, 1)) == tf.TensorSpec([4, 2], tf.int32)
+    assert graph.nbytes(TensorRef(topk.name, 0)) == 4 * 2 * 4
+    (exp,) = list(graph.find("Exp"))
+    assert graph.consumers(TensorRef(topk.name, 0)) == [(exp.name, 0)]
+    order = graph.topological_order()
+    assert order.index(topk.name) < order.index(exp.name)
+    assert graph.lint() == []
+
+
+def test_replace_all_uses_remove_and_prune() -> None:
+    graph, _ = traced(_two_outputs, SPEC)
+    (exp,) = list(graph.find("Exp"))
+    (topk,) = list(graph.find("TopKV2"))
+    with pytest.raises(GraphError, match="still read by"):
+        graph.remove(exp.name)
+    assert graph.replace_all_uses(TensorRef(exp.name), TensorRef(topk.name)) == 1
+    graph.remove(exp.name)
+    assert exp.name not in graph
+    assert graph.lint() == []
+
+
+def test_prune_keeps_outputs_placeholders_and_state() -> None:
+    v = tf.Variable(1.0)
+
+    def fn(x):
+        v.assign_add(1.0)
+        unused = tf.exp(x)  # noqa: F841 - dead on purpose
+        return x + 1.0
+
+    graph, _ = traced(fn, tf.TensorSpec([3], tf.float32))
+    dead = graph.prune()
+    assert any("Exp" in graph_name or "Exp" == graph_name for graph_name in dead)
+    ops = graph.op_counts()
+    assert "Exp" not in ops and ops["AssignAddVariableOp"] == 1 and ops["Placeholder"] >= 2
+
+
+def test_splice_builds_ops_with_shapes() -> None:
+    graph, _ = traced(lambda x: tf.reduce_sum(x, axis=0), SPEC)
+    (x,) = [TensorRef(n.name) for n in graph.find("Placeholder")]
+    norm, total = graph.splice(lambda t: (tf.reduce_sum(t * t, -1), tf.reduce_sum(t)), [x])
+    assert graph.spec(norm) == tf.TensorSpec([4], tf.float32)
+    assert graph.spec(total) == tf.TensorSpec([], tf.float32)
+    assert graph.node(norm.node).op == "Sum"
+    (same,) = graph.splice(lambda t: t, [x])  # an input passed straight through
+    assert same == x
+    graph.outputs.append(norm)
+    assert graph.lint() == []
+
+
+def test_lint_reports_missing_nodes_and_cycles() -> None:
+    graph, _ = traced(lambda x: tf.exp(x) + 1.0, SPEC)
+    (exp,) = list(graph.find("Exp"))
+    graph.node(exp.name).input[0] = "nowhere"
+    graph._changed()
+    assert any("missing" in problem for problem in graph.lint())
+    cyclic, _ = traced(lambda x: tf.exp(tf.sin(x)), SPEC)
+    (sin,) = list(cyclic.find("Sin"))
+    (exp,) = list(cyclic.find("Exp"))
+    cyclic.set_input(sin.name, 0, TensorRef(exp.name))
+    assert any("cycle" in problem for problem in cyclic.lint())
+    with pytest.raises(GraphError, match="cycle"):
+        cyclic.check()
+
+
+def test_graph_copies_the_graph_def() -> None:
+    graph, graph_def = traced(lambda x: tf.exp(x), SPEC)
+    before = graph_def.SerializeToString(deterministic=True)
+    (exp,) = list(graph.find("Exp"))
+    graph.node(exp.name).op = "Log"
+    graph.splice(tf.sin, [TensorRef(exp.name)])
+    assert graph_def.SerializeToString(deterministic=True) == before
+    rebuilt = graph.to_graph_def()
+    assert rebuilt.versions == graph_def.versions
+    assert [n.name for n in rebuilt.node].index(exp.name) < len(rebuilt.node)
+
+
+def test_library_functions_are_carried() -> None:
+    def fn(x):
+        return tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 2.0), (0, x))[1]
+
+    graph, graph_def = traced(fn, tf.TensorSpec([3], tf.float32))
+    assert len(graph_def.library.function) >= 2
+    (loop,) = list(graph.find(("While", "StatelessWhile")))
+    assert graph.function(loop.attr["body"].func.name) is not None
+    assert len(graph.to_graph_def().library.function) == len(graph_def.library.function)

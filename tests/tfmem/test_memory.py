@@ -1,0 +1,100 @@
+"""Memory accounting: static peaks checked by hand, While bodies, XLA's plan, real OOMs."""
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+import tfmem
+from tfmem import Graph, estimate_memory, run_isolated, xla_planned_bytes
+
+
+def graph_of(fn, *specs) -> Graph:
+    concrete = tf.function(fn).get_concrete_function(*specs)
+    return Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
+
+
+def _chain(x):
+    a = tf.exp(x)
+    b = tf.sin(a)
+    return tf.reduce_sum(a + b)
+
+
+def _matmul_rowsum(x, y):
+    return tf.reduce_sum(x @ y, axis=1)
+
+
+def _reshape_alias(x):
+    return tf.sin(tf.reshape(tf.exp(x), [100]))
+
+
+@pytest.mark.parametrize("fn, specs, peak, node_op, live", [
+    # x, exp, sin and add live together, plus the 4-byte reduction axis constant.
+    (_chain, [tf.TensorSpec([1000], tf.float32)], 4 * 4000 + 4, "AddV2", 5),
+    # x, y, the [100, 100] product and the [100] row sums at the Sum; + the axis constant.
+    (_matmul_rowsum, [tf.TensorSpec([100, 50], tf.float64), tf.TensorSpec([50, 100], tf.float64)],
+     40000 + 40000 + 80000 + 800 + 4, "Sum", 5),
+    # Reshape allocates nothing: x, exp (kept alive through its reshape), sin, the shape constant.
+    (_reshape_alias, [tf.TensorSpec([10, 10], tf.float32)], 400 + 400 + 400 + 4, "Sin", 4),
+])
+def test_static_peak_matches_hand_count(fn, specs, peak: int, node_op: str, live: int) -> None:
+    graph = graph_of(fn, *specs)
+    estimate = estimate_memory(graph)
+    assert estimate.peak_bytes == peak
+    assert graph.node(estimate.peak_node).op == node_op
+    assert len(estimate.live_at_peak) == live
+    assert sum(t.nbytes for t in estimate.live_at_peak) == peak
+    assert estimate.unknown == ()
+
+
+def test_while_counts_its_body_peak() -> None:
+    def fn(x):
+        def body(i, acc):
+            big = tf.exp(tf.tile(x, [100]))  # [10000] float32 = 40 kB inside the loop only
+            return i + 1, acc + tf.reduce_sum(big)
+        return tf.while_loop(lambda i, acc: i < 3, body, (0, 0.0))[1]
+
+    graph = graph_of(fn, tf.TensorSpec([100], tf.float32))
+    estimate = estimate_memory(graph)
+    assert graph.node(estimate.peak_node).op in ("While", "StatelessWhile")
+    assert estimate.nested_peak_bytes >= 2 * 40000  # tile and exp live together in the body
+    assert estimate.peak_bytes >= estimate.nested_peak_bytes + 400
+
+
+def test_control_dependencies_order_the_walk() -> None:
+    v = tf.Variable(tf.zeros([1000]))
+
+    def fn(x):
+        v.assign(tf.exp(x))  # the write must run; its input counts
+        return tf.reduce_sum(x)
+
+    graph = graph_of(fn, tf.TensorSpec([1000], tf.float32))
+    assert estimate_memory(graph).peak_bytes >= 2 * 4000
+
+
+def test_xla_planned_bytes_parsed() -> None:
+    f = tf.function(lambda x: x @ tf.transpose(x), jit_compile=True)
+    x = tf.ones([1000, 10])
+    planned = xla_planned_bytes(f, x)
+    assert 4_000_000 <= planned < 3 * 4_000_000  # the [1000, 1000] float32 result dominates
+    wrapped = tfmem.function(lambda x: x @ tf.transpose(x), config=tfmem.Config(passes=[]))
+    assert xla_planned_bytes(wrapped, x) == wrapped.xla_planned_bytes(x) >= 4_000_000
+    assert xla_planned_bytes(tf.function(lambda x: x * 2), x) is None  # not jit-compiled
+
+
+def test_isolated_run_reports_peak_and_real_oom() -> None:
+    ok = run_isolated("tfmem.examples:allocate", 16, memory_limit_mb=256, timeout=120)
+    assert ok.status == "ok", ok.error
+    assert ok.value == pytest.approx(16 * 2**20 / 4)
+    assert ok.peak_bytes >= 16 * 2**20
+    oom = run_isolated("tfmem.examples:allocate", 256, memory_limit_mb=64, timeout=120)
+    assert oom.status == "oom", oom.error
+    assert "ResourceExhausted" in oom.error or "OOM" in oom.error
+
+
+def test_isolated_run_reports_errors_and_rejects_unimportable_targets() -> None:
+    bad = run_isolated("tfmem.examples:allocate", "not a number", timeout=120)
+    assert bad.status == "error" and "TypeError" in bad.error
+    with pytest.raises(ValueError, match="module:function"):
+        run_isolated("no_colon")
+    with pytest.raises(ValueError, match="importable"):
+        run_isolated(lambda: 1)

@@ -1,0 +1,335 @@
+"""tfmem.function: the round trip equals tf.function, caching, gradients, fallback, strict mode."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmem
+from tfmem import Config, Graph, GraphPass, PassResult, RewriteRecord, TensorRef
+
+NO_PASSES = Config(passes=[])
+
+
+# XLA may fuse and reorder float arithmetic: equal up to rounding, per precision.
+RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-10}
+
+
+def assert_same(got: Any, want: Any) -> None:
+    tf.nest.assert_same_structure(got, want, expand_composites=True)
+    for g, w in zip(tf.nest.flatten(got, expand_composites=True), tf.nest.flatten(want, expand_composites=True)):
+        if isinstance(w, (tf.Tensor, np.ndarray)):
+            g, w = np.asarray(g), np.asarray(w)
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=RTOL.get(w.dtype, 0), atol=1e-12)
+        else:
+            assert g == w
+
+
+def _elementwise(x):
+    return tf.exp(-0.5 * x * x) + tf.sin(x)
+
+
+def _matmul_chain(a, b, v):
+    return tf.reduce_sum((a @ b) @ v, axis=0)
+
+
+def _nested(x, y, scale=2.0):
+    return {"sum": tf.reduce_sum(x) * scale, "parts": [x + y, (x * y, tf.shape(x))], "count": 3}
+
+
+def _while_loop(x):
+    i0 = tf.constant(0)
+    _, total = tf.while_loop(lambda i, acc: i < 5, lambda i, acc: (i + 1, acc + tf.reduce_sum(x * tf.cast(i, x.dtype))),
+                             (i0, tf.zeros([], x.dtype)))
+    return total
+
+
+def _cond(x):
+    return tf.cond(tf.reduce_sum(x) > 0, lambda: x * 2.0, lambda: x - 1.0)
+
+
+def _tape_inside(x, y):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(tf.tanh(x @ tf.transpose(y)) ** 2)
+    return loss, tape.gradient(loss, x)
+
+
+def _integers(x, k):
+    values, indices = tf.math.top_k(x, k=3)
+    return values, indices + k
+
+
+ROUND_TRIPS: list[tuple[str, Callable[..., Any], Callable[[np.random.Generator], tuple]]] = [
+    ("elementwise_f32", _elementwise, lambda r: (tf.constant(r.normal(size=(5, 4)), tf.float32),)),
+    ("elementwise_f64", _elementwise, lambda r: (tf.constant(r.normal(size=(5, 4))),)),
+    ("matmul_chain_f64", _matmul_chain,
+     lambda r: (tf.constant(r.normal(size=(6, 5))), tf.constant(r.normal(size=(5, 7))), tf.constant(r.normal(size=(7, 2))))),
+    ("nested_outputs", _nested, lambda r: (tf.constant(r.normal(size=(3,)), tf.float32), tf.constant(r.normal(size=(3,)), tf.float32))),
+    ("numpy_inputs", _elementwise, lambda r: (r.normal(size=(4,)).astype(np.float32),)),
+    ("while_loop", _while_loop, lambda r: (tf.constant(r.normal(size=(4, 2))),)),
+    ("cond", _cond, lambda r: (tf.constant(r.normal(size=(4,))),)),
+    ("tape_inside_f32", _tape_inside, lambda r: (tf.constant(r.normal(size=(5, 3)), tf.float32), tf.constant(r.normal(size=(4, 3)), tf.float32))),
+    ("tape_inside_f64", _tape_inside, lambda r: (tf.constant(r.normal(size=(5, 3))), tf.constant(r.normal(size=(4, 3))))),
+    ("integer_outputs", _integers, lambda r: (tf.constant(r.normal(size=(2, 6)), tf.float32), tf.constant(1))),
+]
+
+
+@pytest.mark.parametrize("name, fn, make_args", ROUND_TRIPS, ids=[case[0] for case in ROUND_TRIPS])
+@pytest.mark.parametrize("config", [NO_PASSES, Config()], ids=["no_passes", "default_passes"])
+def test_round_trip_equals_tf_function(name: str, fn: Callable[..., Any], make_args: Callable, config: Config,
+                                       rng: np.random.Generator) -> None:
+    args = make_args(rng)
+    wrapped = tfmem.TfmemFunction(fn, config=config, lint=True)
+    assert_same(wrapped(*args), tf.function(fn)(*args))
+    report = wrapped.report(*args)
+    assert report.status in ("rewritten", "unchanged"), report.reason
+
+
+def test_python_scalars_are_trace_time_constants(rng: np.random.Generator) -> None:
+    x = tf.constant(rng.normal(size=(3,)), tf.float32)
+    wrapped = tfmem.function(_nested, config=NO_PASSES)
+    assert_same(wrapped(x, x, scale=3.0), tf.function(_nested)(x, x, scale=3.0))
+    assert_same(wrapped(x, x, scale=5.0), tf.function(_nested)(x, x, scale=5.0))
+    assert len(wrapped._signatures) == 2
+
+
+def test_one_rewrite_per_signature_cached(rng: np.random.Generator) -> None:
+    calls = []
+
+    def fn(x):
+        calls.append(1)  # runs once per trace
+        return x * 2.0
+
+    wrapped = tfmem.function(fn)  # follows the active config
+    for _ in range(3):
+        wrapped(tf.constant(rng.normal(size=(4,)), tf.float32))
+    first = wrapped.report(tf.ones([4]))
+    assert wrapped.report(tf.ones([4])) is first
+    wrapped(tf.ones([7]))
+    assert wrapped.report(tf.ones([7])) is not first
+    assert len(wrapped._signatures) == 2
+    assert len(calls) == 2
+    with tfmem.config_scope(Config(passes=["cleanup"], verify=True)):
+        wrapped(tf.ones([4]))  # a different config is a different rewrite of the same trace
+    assert len(wrapped._signatures) == 3
+    assert len(calls) == 2
+
+
+def test_variable_reads_and_writes_reach_the_real_variables() -> None:
+    v = tf.Variable([1.0, 2.0, 3.0])
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    def step(x):
+        counter.assign_add(1)
+        v.assign(v * x + 1.0)
+        return tf.reduce_sum(v)
+
+    wrapped = tfmem.function(step, config=NO_PASSES)
+    out = [wrapped(tf.constant(2.0)).numpy() for _ in range(3)]
+    reference = np.array([1.0, 2.0, 3.0])
+    expected = []
+    for _ in range(3):
+        reference = reference * 2 + 1
+        expected.append(reference.sum())
+    np.testing.assert_allclose(out, expected)
+    np.testing.assert_allclose(v.numpy(), reference)
+    assert counter.numpy() == 3
+
+
+def test_optimizer_apply_gradients_inside_updates_variables(rng: np.random.Generator) -> None:
+    x = tf.constant(rng.normal(size=(32, 3)), tf.float32)
+    y = tf.constant(rng.normal(size=(32, 1)), tf.float32)
+
+    def make():
+        w = tf.Variable(tf.zeros([3, 1]))
+        optimizer = tf.keras.optimizers.SGD(learning_rate=0.1)
+        optimizer.build([w])
+
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((x @ w - y) ** 2)
+            optimizer.apply_gradients([(tape.gradient(loss, w), w)])
+            return loss
+
+        return w, train_step
+
+    w_stock, step_stock = make()
+    w_tfmem, step_tfmem = make()
+    stock, wrapped = tf.function(step_stock), tfmem.function(step_tfmem, config=NO_PASSES)
+    for _ in range(5):
+        np.testing.assert_allclose(wrapped(x, y).numpy(), stock(x, y).numpy(), rtol=1e-5)
+    np.testing.assert_allclose(w_tfmem.numpy(), w_stock.numpy(), rtol=1e-5)
+    assert np.abs(w_tfmem.numpy()).sum() > 0
+
+
+def test_outer_tape_through_the_wrapper(rng: np.random.Generator) -> None:
+    w = tf.Variable(rng.normal(size=(3, 2)))
+    frozen = tf.Variable(rng.normal(size=(2,)), trainable=False)
+
+    def fn(x, y):
+        return tf.reduce_sum(tf.sin(x @ w) * frozen) + tf.reduce_sum(y ** 3), tf.shape(x)[0]
+
+    x = tf.constant(rng.normal(size=(4, 3)))
+    y = tf.constant(rng.normal(size=(5,)))
+    wrapped = tfmem.function(fn, config=Config())
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, y])
+        got, count = wrapped(x, y)
+        want, _ = fn(x, y)
+    assert int(count) == 4
+    got_grads = tape.gradient(got, [x, y, w])
+    want_grads = tape.gradient(want, [x, y, w])
+    for g, e in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10)
+    # The backward pass is itself a tfmem function (traced and rewritten by the pipeline).
+    (signature,) = wrapped._signatures.values()
+    (backward,) = signature.backward.values()
+    assert isinstance(backward, tfmem.TfmemFunction)
+    assert backward._signatures and all(s.compiled is not None for s in backward._signatures.values())
+
+
+def test_outer_tape_with_nested_inputs_and_kwargs(rng: np.random.Generator) -> None:
+    def fn(inputs, power=2):
+        return {"out": tf.reduce_sum(inputs["a"] ** power) * tf.reduce_sum(inputs["b"])}
+
+    a, b = tf.constant(rng.normal(size=(3,))), tf.constant(rng.normal(size=(2,)))
+    wrapped = tfmem.function(fn, config=NO_PASSES)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([a, b])
+        got = wrapped({"a": a, "b": b}, power=3)["out"]
+        want = fn({"a": a, "b": b}, power=3)["out"]
+    for g, e in zip(tape.gradient(got, [a, b]), tape.gradient(want, [a, b])):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10)
+
+
+def test_called_inside_another_tf_function(rng: np.random.Generator) -> None:
+    x = tf.constant(rng.normal(size=(4, 3)))
+    wrapped = tfmem.function(_elementwise, config=NO_PASSES)
+
+    @tf.function
+    def outer(x):
+        return wrapped(x) * 2
+
+    np.testing.assert_allclose(outer(x).numpy(), 2 * _elementwise(x).numpy(), rtol=1e-12)
+
+
+def test_dynamic_batch_dimension_falls_back_with_warning(caplog: pytest.LogCaptureFixture,
+                                                         rng: np.random.Generator) -> None:
+    wrapped = tfmem.function(_elementwise, config=NO_PASSES,
+                             input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+    x = tf.constant(rng.normal(size=(6, 4)), tf.float32)
+    with caplog.at_level(logging.WARNING, logger="tfmem"):
+        got = wrapped(x)
+    np.testing.assert_allclose(got.numpy(), _elementwise(x).numpy(), rtol=1e-6)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "dynamic shape" in warnings[0] and "_elementwise" in warnings[0]
+    assert wrapped.report(x).status == "fallback"
+    np.testing.assert_allclose(wrapped(x[:2]).numpy(), _elementwise(x[:2]).numpy(), rtol=1e-6)
+
+
+def test_strict_mode_raises_instead_of_falling_back() -> None:
+    wrapped = tfmem.function(_elementwise, config=Config(passes=[], strict=True),
+                             input_signature=[tf.TensorSpec([None], tf.float32)])
+    with pytest.raises(tfmem.TfmemError, match="dynamic shape"):
+        wrapped(tf.ones([3]))
+
+
+class _BrokenPass(GraphPass):
+    name, stage = "broken_pass", "cleanup"
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        raise RuntimeError("boom")
+
+
+class _ChangeConstants(GraphPass):
+    """Wrong on purpose: turns every float constant 2.0 into 3.0."""
+
+    name, stage = "change_constants", "cleanup"
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        changed = []
+        for node in graph.find("Const"):
+            value = tf.make_ndarray(node.attr["value"].tensor)
+            if value.dtype.kind == "f" and np.all(value == 2.0):
+                node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.full_like(value, 3.0)))
+                changed.append(node.name)
+        return PassResult(graph, bool(changed), [RewriteRecord(self.name, "change", "fired", tuple(changed))])
+
+
+def test_failing_pass_falls_back_naming_the_pass(caplog: pytest.LogCaptureFixture) -> None:
+    wrapped = tfmem.TfmemFunction(_elementwise, passes=[_BrokenPass()])
+    with caplog.at_level(logging.WARNING, logger="tfmem"):
+        np.testing.assert_allclose(wrapped(tf.ones([3])).numpy(), _elementwise(tf.ones([3])).numpy())
+    assert any("broken_pass" in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
+    strict = tfmem.TfmemFunction(_elementwise, passes=[_BrokenPass()], config=Config(strict=True))
+    with pytest.raises(tfmem.TfmemError, match="broken_pass"):
+        strict(tf.ones([3]))
+
+
+def test_op_xla_cannot_compile_falls_back_on_first_call(caplog: pytest.LogCaptureFixture) -> None:
+    def fn(x):
+        return tf.numpy_function(lambda a: a * 2, [x], tf.float32) + 1.0
+
+    wrapped = tfmem.function(fn, config=NO_PASSES)
+    with caplog.at_level(logging.WARNING, logger="tfmem"):
+        got = wrapped(tf.ones([3]))
+    np.testing.assert_allclose(got.numpy(), [3.0, 3.0, 3.0])
+    assert wrapped.report(tf.ones([3])).status == "fallback"
+    assert any("first call" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(wrapped(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
+    # Without XLA the same graph imports and runs.
+    plain = tfmem.function(fn, config=Config(passes=[], jit_compile=False))
+    np.testing.assert_allclose(plain(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
+    assert plain.report(tf.ones([3])).status != "fallback"
+
+
+def test_verify_catches_a_wrong_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    def fn(x):
+        return x * 2.0
+
+    wrong = tfmem.TfmemFunction(fn, passes=[_ChangeConstants()], config=Config(verify=True))
+    with caplog.at_level(logging.WARNING, logger="tfmem"):
+        first = wrong(tf.ones([3]))
+    assert wrong.report(tf.ones([3])).status == "fallback"
+    assert any("verification failed" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(wrong(tf.ones([3])).numpy(), [2.0, 2.0, 2.0])
+    # The first call already returned the rewritten (wrong) value: verify guards later calls.
+    np.testing.assert_allclose(first.numpy(), [3.0, 3.0, 3.0])
+    with pytest.raises(tfmem.TfmemError, match="verification failed"):
+        tfmem.TfmemFunction(fn, passes=[_ChangeConstants()], config=Config(verify=True, strict=True))(tf.ones([3]))
+
+
+def test_callers_function_and_graph_are_not_mutated() -> None:
+    stock = tf.function(lambda x: x * 2.0)
+    concrete = stock.get_concrete_function(tf.TensorSpec([3], tf.float32))
+    before = concrete.graph.as_graph_def().SerializeToString(deterministic=True)
+    wrapped = tfmem.TfmemFunction(stock.python_function, passes=[_ChangeConstants()])
+    wrapped(tf.ones([3]))
+    assert concrete.graph.as_graph_def().SerializeToString(deterministic=True) == before
+    report = wrapped.report(tf.ones([3]))
+    (original_const,) = [n for n in report.original_graph_def.node if n.op == "Const"]
+    assert tf.make_ndarray(original_const.attr["value"].tensor) == 2.0
+    np.testing.assert_allclose(stock(tf.ones([3])).numpy(), [2.0, 2.0, 2.0])
+
+
+def test_decorator_forms_and_jit_override() -> None:
+    @tfmem.function
+    def bare(x):
+        return x + 1
+
+    @tfmem.function(jit_compile=False, config=NO_PASSES)
+    def configured(x):
+        return x + 2
+
+    assert float(bare(tf.constant(1.0))) == 2.0
+    assert float(configured(tf.constant(1.0))) == 3.0
+    assert configured.config.jit_compile is False
+    assert configured.__name__ == "configured"
+    assert configured.xla_planned_bytes(tf.constant(1.0)) is None
+    assert bare.xla_planned_bytes(tf.constant(1.0)) > 0
