@@ -42,6 +42,19 @@ ALIASING_OPS = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squ
 _ALWAYS_KEEP_OPS = frozenset({"Placeholder", "NoOp"})
 
 
+# TensorFlow unregisters a library function from the eager context, by name, when a
+# Python object that registered it is garbage-collected — also when that object lives
+# in a throw-away graph and a compiled function has registered the same name since
+# (its next call then fails with "Function ... is not defined"). Scratch graphs that
+# hold functions park them here, so that never happens.
+_SCRATCH_FUNCTIONS: list[Any] = []
+
+
+def keep_functions_alive(scratch: tf.Graph) -> None:
+    """Keeps the functions a scratch graph holds alive for the rest of the process."""
+    _SCRATCH_FUNCTIONS.extend(scratch._functions.values())  # noqa: SLF001 - no public accessor
+
+
 class GraphError(ValueError):
     """A graph is malformed, or an edit would make it so."""
 
@@ -313,6 +326,77 @@ class Graph:
         node.input[data_positions[position]] = tensor.as_input()
         self._changed()
 
+    def remove_control_input(self, name: str, producer: str) -> bool:
+        """Drops the control edge `^producer` from node `name`. Returns whether it was there."""
+        node = self.node(name)
+        kept = [text for text in node.input if text != f"^{producer}"]
+        if len(kept) == len(node.input):
+            return False
+        del node.input[:]
+        node.input.extend(kept)
+        self._changed()
+        return True
+
+    def infer_shapes(self) -> int:
+        """Recomputes every node's `_output_shapes` by importing the graph into a scratch graph.
+
+        For graphs from tools that drop the attr (e.g. Grappler). A node's existing
+        `_output_shapes` is a hint: it is merged with (refines) what TF infers, and a
+        stateful op with one fully known hinted output (e.g. a `ReadVariableOp`, whose
+        shape TF cannot infer without the variable) stands in as a placeholder of that
+        shape, so its readers get static shapes too. Returns the number of nodes whose
+        shapes changed.
+
+        Example:
+            >>> graph.infer_shapes()   # after copying in a GraphDef without shapes
+            57
+
+        Raises:
+            GraphError: if TensorFlow cannot import the graph.
+        """
+        graph_def = self.to_graph_def()
+        hints: dict[str, list[tf.TensorShape]] = {}
+        for node in graph_def.node:
+            if "_output_shapes" in node.attr:
+                hints[node.name] = [tf.TensorShape(s) for s in node.attr["_output_shapes"].list.shape]
+                del node.attr["_output_shapes"]  # the importer must infer, not trust
+            hint = hints.get(node.name)
+            if node.op == "Placeholder" and "shape" not in node.attr and hint:
+                node.attr["shape"].shape.CopyFrom(hint[0].as_proto())
+            elif (is_stateful(node) and hint and len(hint) == 1 and hint[0].is_fully_defined()
+                  and node.op not in _ALWAYS_KEEP_OPS):
+                dtype = output_dtypes(node, self.library)
+                if len(dtype) == 1 and dtype[0] not in (tf.resource, tf.variant):
+                    stand_in = node_def_pb2.NodeDef(name=node.name, op="Placeholder")
+                    stand_in.attr["dtype"].type = dtype[0].as_datatype_enum
+                    stand_in.attr["shape"].shape.CopyFrom(hint[0].as_proto())
+                    node.CopyFrom(stand_in)
+        try:
+            with tf.Graph().as_default() as scratch:
+                tf.graph_util.import_graph_def(graph_def, name="")
+                keep_functions_alive(scratch)
+        except (ValueError, tf.errors.OpError) as err:
+            raise GraphError(f"cannot infer shapes: {err}") from err
+        changed = 0
+        for op in scratch.get_operations():
+            node = self._nodes.get(op.name)
+            if node is None:
+                continue
+            hint = hints.get(op.name, [])
+            shapes = []
+            for i, tensor in enumerate(op.outputs):
+                shape = tensor.shape
+                if i < len(hint) and shape.is_compatible_with(hint[i]):
+                    shape = shape.merge_with(hint[i])
+                shapes.append(shape.as_proto())
+            old = list(node.attr["_output_shapes"].list.shape) if "_output_shapes" in node.attr else None
+            if old != shapes:
+                attr = node.attr["_output_shapes"]
+                attr.ClearField("list")
+                attr.list.shape.extend(shapes)
+                changed += 1
+        return changed
+
     def replace_all_uses(self, old: TensorRef | str, new: TensorRef | str) -> int:
         """Makes every reader of `old` (and the graph outputs) read `new`. Returns the count."""
         old, new = TensorRef.parse(old), TensorRef.parse(new)
@@ -380,8 +464,9 @@ class Graph:
             result = build(*placeholders)
             outputs = list(result) if isinstance(result, (list, tuple)) else [result]
         fragment = scratch.as_graph_def(add_shapes=True)
+        keep_functions_alive(scratch)
         by_placeholder = {p.op.name: r for p, r in zip(placeholders, refs)}
-        prefix = self.unique_name(scope)
+        prefix = self._unique_scope(scope)
         renamed = {n.name: f"{prefix}/{n.name}" for n in fragment.node if n.name not in by_placeholder}
 
         def rewire(text: str) -> str:
@@ -413,6 +498,44 @@ class Graph:
             else:
                 result_refs.append(TensorRef(renamed[name], tensor.value_index))
         return result_refs
+
+    def _unique_scope(self, base: str) -> str:
+        # A name scope no node lives under yet: `unique_name` alone would hand a second
+        # splice the same scope, and its nodes would overwrite the first splice's.
+        taken = {name.split("/", 1)[0] for name in self._nodes}
+        scope, counter = base, 0
+        while scope in taken:
+            counter += 1
+            scope = f"{base}_{counter}"
+        return scope
+
+    def constant_value(self, tensor: TensorRef | str) -> Any:
+        """The value of a `Const` node's output as a numpy array, or None if not a constant.
+
+        Example:
+            >>> graph.constant_value("transpose/perm")
+            array([1, 0], dtype=int32)
+        """
+        tensor = TensorRef.parse(tensor)
+        node = self._nodes.get(tensor.node)
+        if node is None or node.op != "Const" or tensor.index != 0:
+            return None
+        return tf.make_ndarray(node.attr["value"].tensor)
+
+    def sole_consumer(self, tensor: TensorRef | str) -> tuple[str, int] | None:
+        """`(node, input position)` of the only reader of `tensor`, or None.
+
+        None when the tensor has several data readers, any control dependant, is a graph
+        output, or its node must be kept: then a rewrite that consumes it is not
+        self-contained, because the tensor is materialised anyway.
+        """
+        tensor = TensorRef.parse(tensor)
+        if self.is_output(tensor) or tensor.node in self.keep:
+            return None
+        uses = self.consumers(tensor)
+        if len(uses) != 1 or any(position < 0 for _, position in self._consumers().get(tensor.node, ())):
+            return None
+        return uses[0]
 
     def merge_library(self, library: function_pb2.FunctionDefLibrary) -> None:
         """Adds the functions (and gradients) of `library` that this graph lacks."""

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from tfmem.config import format_size
-from tfmem.graph import ALIASING_OPS, Graph, TensorRef
+from tfmem.graph import ALIASING_OPS, Graph, TensorRef, keep_functions_alive
 
 logger = logging.getLogger(__name__)
 
@@ -201,16 +201,23 @@ def function_graph(graph: Graph, function_name: str,
     fdef = graph.function(function_name)
     if fdef is None:
         raise KeyError(f"no library function {function_name!r}")
-    with tf.Graph().as_default():
+    shapes = None
+    if input_shapes is not None and len(input_shapes) == len(fdef.signature.input_arg):
+        shapes = list(input_shapes)
+    with tf.Graph().as_default() as scratch:
         # Register the library so nested calls in the body resolve.
         tf.graph_util.import_graph_def(graph_pb2.GraphDef(library=graph.library), name="")
-        shapes = None
-        if input_shapes is not None and len(input_shapes) == len(fdef.signature.input_arg):
-            shapes = list(input_shapes)
-        func_graph = function_def_to_graph.function_def_to_graph(fdef, input_shapes=shapes)
-        body_def = func_graph.as_graph_def(add_shapes=True)
-        outputs = [t.name for t in func_graph.outputs]
+        body_def, flat_names = function_def_to_graph.function_def_to_graph_def(fdef, input_shapes=shapes)
+        tf.graph_util.import_graph_def(body_def, name="body")
+        for node in body_def.node:
+            op = scratch.get_operation_by_name(f"body/{node.name}")
+            shapes = node.attr["_output_shapes"].list.shape
+            del shapes[:]  # FunctionDefs may carry stale or partial ones
+            shapes.extend(t.shape.as_proto() for t in op.outputs)
+        keep_functions_alive(scratch)
+    outputs = [flat_names[fdef.ret[arg.name]] for arg in fdef.signature.output_arg]
     body_def.library.CopyFrom(graph.library)
+    body_def.versions.CopyFrom(graph.versions)
     return Graph(body_def, outputs=outputs)
 
 

@@ -1,0 +1,360 @@
+"""Split rules: how the dimensions of an op's inputs and outputs correspond.
+
+Each supported op is described by its *dimension classes*, as in einsum notation:
+a class lists the `(tensor, axis)` pairs that must be split together. For
+`MatMul(a[m,k], b[k,n]) → out[m,n]` the classes are `m: {a.0, out.0}`,
+`n: {b.1, out.1}` and `k: {a.1, b.0}`. A class that contains an output *maps* the split
+through the op; a class without one *reduces* the split dimension, and names the
+`combine` that merges per-chunk results (sum, max, top-k merge, ...).
+
+A few ops carry the full size of a dimension in a constant input (the target shape of a
+`Reshape`, the `size` of a `Slice`); `chunk_patches` says how to rewrite those constants
+for a chunk.
+
+Ops without a rule end a region: the tensor that reaches them is computed in full.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from tensorflow.core.framework import node_def_pb2
+
+from tfmem.graph import Graph, TensorRef
+
+Member = tuple[TensorRef, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class DimClass:
+    """Tensor axes that are split together; `combine` names the merge of a reduced class."""
+
+    members: tuple[Member, ...]
+    combine: str | None = None
+
+
+class NoRule(Exception):
+    """The op has no split rule (or not for these attributes); the message says why."""
+
+
+_UNARY = frozenset("""Abs Acos Asin Atan Cast Ceil Cos Cosh Digamma Erf Erfc Exp Expm1 Floor Identity
+    Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike PreventGradient Reciprocal Relu
+    Relu6 Rint Round Rsqrt Sigmoid Sign Sin Sinh Snapshot Softplus Softsign Sqrt Square StopGradient
+    Tan Tanh ZerosLike CheckNumerics EnsureShape Elu Selu""".split())
+_ELEMENTWISE = frozenset("""Add AddV2 Sub Mul RealDiv Div DivNoNan Maximum Minimum Pow SquaredDifference
+    Greater GreaterEqual Less LessEqual Equal NotEqual LogicalAnd LogicalOr SelectV2 AddN TanhGrad
+    SigmoidGrad SqrtGrad RsqrtGrad ReciprocalGrad Atan2 FloorDiv FloorMod Xdivy Xlogy MulNoNan
+    TruncateDiv ReluGrad SoftplusGrad BiasAdd""".split())
+_REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod": "prod",
+               "All": "all", "Any": "any"}
+
+
+def _shape(graph: Graph, tensor: TensorRef) -> list[int]:
+    shape = graph.spec(tensor).shape
+    if not shape.is_fully_defined():
+        raise NoRule(f"{tensor} has no static shape")
+    return shape.as_list()
+
+
+def _const(graph: Graph, tensor: TensorRef, what: str) -> np.ndarray:
+    value = graph.constant_value(tensor)
+    if value is None:
+        raise NoRule(f"its {what} ({tensor}) is not a constant")
+    return value
+
+
+def _elementwise(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """Broadcasting: output axis j lines up with each input's axis j - (rank_out - rank_in)."""
+    out = TensorRef(node.name)
+    out_shape = _shape(graph, out)
+    inputs = graph.inputs(node.name)
+    classes = []
+    for j, size in enumerate(out_shape):
+        members: list[Member] = [(out, j)]
+        for ref in inputs:
+            shape = _shape(graph, ref)
+            axis = j - (len(out_shape) - len(shape))
+            if axis >= 0 and shape[axis] == size:  # a size-1 (broadcast) input is invariant
+                members.append((ref, axis))
+        classes.append(DimClass(tuple(members)))
+    return classes
+
+
+def _unary(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    (x,) = graph.inputs(node.name)[:1]
+    return [DimClass(((x, j), (TensorRef(node.name), j))) for j in range(len(_shape(graph, x)))]
+
+
+def _reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, axes_ref = graph.inputs(node.name)
+    rank = len(_shape(graph, x))
+    axes = {int(a) % rank for a in np.ravel(_const(graph, axes_ref, "axis"))}
+    keep = node.attr["keep_dims"].b
+    out = TensorRef(node.name)
+    classes, out_axis = [], 0
+    for j in range(rank):
+        if j in axes:
+            classes.append(DimClass(((x, j),), combine=_REDUCTIONS[node.op]))
+            out_axis += keep
+        else:
+            classes.append(DimClass(((x, j), (out, out_axis))))
+            out_axis += 1
+    return classes
+
+
+def _arg_reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, axis_ref = graph.inputs(node.name)
+    rank = len(_shape(graph, x))
+    axis = int(_const(graph, axis_ref, "axis")) % rank
+    out = TensorRef(node.name)
+    combine = "argmax" if node.op == "ArgMax" else "argmin"
+    return [DimClass(((x, j),), combine) if j == axis else DimClass(((x, j), (out, j - (j > axis))))
+            for j in range(rank)]
+
+
+def _top_k(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x = graph.inputs(node.name)[0]
+    rank = len(_shape(graph, x))
+    values, indices = TensorRef(node.name, 0), TensorRef(node.name, 1)
+    return [DimClass(((x, j), (values, j), (indices, j))) for j in range(rank - 1)] + [
+        DimClass(((x, rank - 1),), combine="topk")]
+
+
+def _matmul(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    a, b = graph.inputs(node.name)
+    out = TensorRef(node.name)
+    if node.op == "MatMul":
+        ta, tb = node.attr["transpose_a"].b, node.attr["transpose_b"].b
+    else:
+        ta, tb = node.attr["adj_x"].b, node.attr["adj_y"].b
+    a_shape, b_shape, out_shape = _shape(graph, a), _shape(graph, b), _shape(graph, out)
+    ra, rb, ro = len(a_shape), len(b_shape), len(out_shape)
+    classes = []
+    for j in range(ro - 2):  # broadcast batch dimensions
+        members: list[Member] = [(out, j)]
+        for ref, shape in ((a, a_shape), (b, b_shape)):
+            axis = j - (ro - len(shape))
+            if axis >= 0 and shape[axis] == out_shape[j]:
+                members.append((ref, axis))
+        classes.append(DimClass(tuple(members)))
+    a_rows, a_inner = (ra - 1, ra - 2) if ta else (ra - 2, ra - 1)
+    b_inner, b_cols = (rb - 1, rb - 2) if tb else (rb - 2, rb - 1)
+    classes.append(DimClass(((a, a_rows), (out, ro - 2))))
+    classes.append(DimClass(((b, b_cols), (out, ro - 1))))
+    classes.append(DimClass(((a, a_inner), (b, b_inner)), combine="sum"))
+    return classes
+
+
+def _triangular_solve(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    matrix, rhs = graph.inputs(node.name)
+    out = TensorRef(node.name)
+    rank = len(_shape(graph, rhs))
+    if len(_shape(graph, matrix)) != 2:
+        raise NoRule("batched triangular systems are not split")
+    # Each right-hand-side column is solved on its own: only the last axis splits.
+    return [DimClass(((rhs, rank - 1), (out, rank - 1)))]
+
+
+def _transpose(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, perm_ref = graph.inputs(node.name)
+    perm = [int(p) for p in _const(graph, perm_ref, "permutation")]
+    out = TensorRef(node.name)
+    return [DimClass(((x, p), (out, j))) for j, p in enumerate(perm)]
+
+
+def _expand_dims(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, axis_ref = graph.inputs(node.name)
+    rank = len(_shape(graph, x))
+    new = int(_const(graph, axis_ref, "axis")) % (rank + 1)
+    out = TensorRef(node.name)
+    return [DimClass(((x, j), (out, j + (j >= new)))) for j in range(rank)]
+
+
+def _squeeze(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x = graph.inputs(node.name)[0]
+    shape = _shape(graph, x)
+    dims = {d % len(shape) for d in node.attr["squeeze_dims"].list.i} or {
+        j for j, s in enumerate(shape) if s == 1}
+    out, classes, out_axis = TensorRef(node.name), [], 0
+    for j in range(len(shape)):
+        if j not in dims:
+            classes.append(DimClass(((x, j), (out, out_axis))))
+            out_axis += 1
+    return classes
+
+
+def _reshape_axes(in_shape: list[int], out_shape: list[int]) -> list[tuple[int, int]]:
+    """Input/output axes a reshape keeps intact: same size, same number of elements before."""
+    pairs = []
+    for i, size in enumerate(in_shape):
+        before = int(np.prod(in_shape[:i]))
+        for j, out_size in enumerate(out_shape):
+            if out_size == size and int(np.prod(out_shape[:j])) == before and size > 1:
+                pairs.append((i, j))
+                break
+    return pairs
+
+
+def _reshape(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, shape_ref = graph.inputs(node.name)
+    _const(graph, shape_ref, "target shape")
+    out = TensorRef(node.name)
+    return [DimClass(((x, i), (out, j))) for i, j in _reshape_axes(_shape(graph, x), _shape(graph, out))]
+
+
+def _tile(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, multiples_ref = graph.inputs(node.name)
+    multiples = _const(graph, multiples_ref, "multiples")
+    out = TensorRef(node.name)
+    return [DimClass(((x, j), (out, j))) for j, m in enumerate(multiples) if int(m) == 1]
+
+
+def _broadcast_to(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, shape_ref = graph.inputs(node.name)
+    _const(graph, shape_ref, "target shape")
+    out = TensorRef(node.name)
+    in_shape, out_shape = _shape(graph, x), _shape(graph, out)
+    classes = []
+    for j, size in enumerate(out_shape):
+        axis = j - (len(out_shape) - len(in_shape))
+        members = [(out, j)] + ([(x, axis)] if axis >= 0 and in_shape[axis] == size else [])
+        classes.append(DimClass(tuple(members)))
+    return classes
+
+
+def _slice(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x, begin_ref, size_ref = graph.inputs(node.name)
+    begin, size = _const(graph, begin_ref, "begin"), _const(graph, size_ref, "size")
+    shape, out = _shape(graph, x), TensorRef(node.name)
+    return [DimClass(((x, j), (out, j))) for j in range(len(shape))
+            if int(begin[j]) == 0 and int(size[j]) in (-1, shape[j])]
+
+
+def _strided_slice_specs(graph: Graph, node: node_def_pb2.NodeDef) -> list[tuple[int | None, int | None, bool]]:
+    """Per slice spec: (input axis, output axis, takes that axis whole), ellipsis expanded.
+
+    A new axis has no input axis; a shrunk axis has no output axis.
+    """
+    x, begin_ref, end_ref, strides_ref = graph.inputs(node.name)
+    begin, end = _const(graph, begin_ref, "begin"), _const(graph, end_ref, "end")
+    strides = _const(graph, strides_ref, "strides")
+    masks = {k: node.attr[k].i for k in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                         "shrink_axis_mask")}
+    shape = _shape(graph, x)
+    consuming = sum(1 for spec in range(len(begin))
+                    if not (masks["new_axis_mask"] | masks["ellipsis_mask"]) & (1 << spec))
+    specs: list[tuple[int | None, int | None, bool]] = []
+    in_axis = out_axis = 0
+    for spec in range(len(begin)):
+        bit = 1 << spec
+        if masks["ellipsis_mask"] & bit:
+            for _ in range(len(shape) - consuming):
+                specs.append((in_axis, out_axis, True))
+                in_axis, out_axis = in_axis + 1, out_axis + 1
+        elif masks["new_axis_mask"] & bit:
+            specs.append((None, out_axis, False))
+            out_axis += 1
+        elif masks["shrink_axis_mask"] & bit:
+            specs.append((in_axis, None, False))
+            in_axis += 1
+        else:
+            whole = (int(strides[spec]) == 1 and bool(masks["begin_mask"] & bit or int(begin[spec]) == 0)
+                     and bool(masks["end_mask"] & bit or int(end[spec]) >= shape[in_axis]))
+            specs.append((in_axis, out_axis, whole))
+            in_axis, out_axis = in_axis + 1, out_axis + 1
+    for rest in range(in_axis, len(shape)):  # axes past the spec are taken whole
+        specs.append((rest, out_axis + rest - in_axis, True))
+    return specs
+
+
+def _strided_slice(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """Slices such as `x[:, None, :]` or `x[..., None]`: axes taken whole map through."""
+    x, out = graph.inputs(node.name)[0], TensorRef(node.name)
+    return [DimClass(((x, i), (out, o))) for i, o, whole in _strided_slice_specs(graph, node)
+            if whole and i is not None and o is not None]
+
+
+def _concat(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    *values, axis_ref = graph.inputs(node.name)
+    out = TensorRef(node.name)
+    rank = len(_shape(graph, out))
+    axis = int(_const(graph, axis_ref, "axis")) % rank
+    return [DimClass(tuple([(v, j) for v in values] + [(out, j)])) for j in range(rank) if j != axis]
+
+
+_RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
+    **{op: _unary for op in _UNARY},
+    **{op: _elementwise for op in _ELEMENTWISE},
+    **{op: _reduction for op in _REDUCTIONS},
+    "ArgMax": _arg_reduction, "ArgMin": _arg_reduction, "TopKV2": _top_k,
+    "MatMul": _matmul, "BatchMatMulV2": _matmul, "BatchMatMulV3": _matmul,
+    "MatrixTriangularSolve": _triangular_solve, "Transpose": _transpose,
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Reshape": _reshape, "Tile": _tile,
+    "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice,
+    "ConcatV2": _concat,
+}
+SUPPORTED_OPS = frozenset(_RULES)
+
+
+def dim_classes(graph: Graph, name: str) -> list[DimClass]:
+    """The dimension classes of node `name`.
+
+    Raises:
+        NoRule: the op is not supported, or not with these attributes or inputs.
+    """
+    node = graph.node(name)
+    rule = _RULES.get(node.op)
+    if rule is None:
+        raise NoRule(f"no split rule for op {node.op}")
+    return rule(graph, node)
+
+
+def class_of(classes: list[DimClass], tensor: TensorRef, axis: int) -> DimClass | None:
+    """The class holding `(tensor, axis)`, or None if that axis cannot be split through the op."""
+    for dim_class in classes:
+        if (tensor, axis) in dim_class.members:
+            return dim_class
+    return None
+
+
+def chunk_patches(graph: Graph, name: str, out_axis: int | None, chunk: int,
+                  in_axes: dict[int, int]) -> dict[int, np.ndarray]:
+    """Constant inputs of node `name` that encode a split dimension's full size, for a chunk.
+
+    Args:
+        out_axis: the split axis of the node's output (None if it is not split).
+        chunk: the chunk length.
+        in_axes: split axis of each split data input, by input position.
+
+    Returns:
+        input position → the constant's value for a chunk of length `chunk`.
+    """
+    node = graph.node(name)
+    inputs = graph.inputs(name)
+    if node.op in ("Reshape", "BroadcastTo") and out_axis is not None:
+        shape = np.array(_const(graph, inputs[1], "target shape"))
+        if shape[out_axis] != -1:
+            shape[out_axis] = chunk
+        return {1: shape}
+    if node.op == "Slice" and 0 in in_axes:
+        size = np.array(_const(graph, inputs[2], "size"))
+        if size[in_axes[0]] != -1:
+            size[in_axes[0]] = chunk
+        return {2: size}
+    if node.op == "StridedSlice" and 0 in in_axes:
+        return _strided_slice_patch(graph, node, in_axes[0], chunk)
+    return {}
+
+
+def _strided_slice_patch(graph: Graph, node: node_def_pb2.NodeDef, in_axis: int,
+                         chunk: int) -> dict[int, np.ndarray]:
+    """An explicit `end` on the split axis becomes the chunk length (begin is 0, stride 1)."""
+    if node.attr["ellipsis_mask"].i:
+        return {}  # ellipsis axes are always whole: nothing explicit to patch
+    end = np.array(_const(graph, graph.inputs(node.name)[2], "end"))
+    for spec, (axis, _, whole) in enumerate(_strided_slice_specs(graph, node)[:len(end)]):
+        if axis == in_axis and whole and not node.attr["end_mask"].i & (1 << spec):
+            end[spec] = chunk
+            return {2: end}
+    return {}
