@@ -20,6 +20,7 @@ from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.isolation import IsolatedResult, run_isolated
 from tfmem.memory import LiveTensor, MemoryEstimate, estimate_memory, xla_planned_bytes
 from tfmem.passes import GraphPass, PassError, PassManager, PassResult, PipelineResult, RewriteRecord
+from tfmem.pattern import Match, Pattern, RewriteRule, RuleSet
 from tfmem.report import Report
 from tfmem.wrapper import TfmemError, TfmemFunction, explain, function
 
@@ -32,4 +33,5 @@ __all__ = [
     "RewriteRecord", "TensorRef", "TfmemError", "TfmemFunction", "UnsupportedFunction",
     "active_config", "config_scope", "define_flags", "estimate_memory", "explain", "format_size",
     "function", "parse_size", "run_isolated", "xla_planned_bytes",
+    "Match", "Pattern", "RewriteRule", "RuleSet",
 ]

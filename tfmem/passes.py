@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-from tfmem.config import Config
+from tfmem.config import Config, format_size
 from tfmem.graph import Graph, GraphError
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class RewriteRecord:
     def __str__(self) -> str:
         where = f" at {self.nodes[0]}" if self.nodes else ""
         why = f": {self.reason}" if self.reason else ""
-        extra = "".join(f" {k}={v}" for k, v in self.details.items())
+        extra = "".join(f" {k}={format_size(v) if k.endswith('bytes') and isinstance(v, int) else v}"
+                        for k, v in self.details.items())
         return f"[{self.pass_name}] {self.rule} {self.status}{where}{why}{extra}"
 
 
@@ -154,6 +155,10 @@ class PassManager:
                 break
         else:
             logger.info("passes did not reach a fixed point in %d rounds", self.max_iterations)
-        # A rejection is re-recorded on every round; report each once.
-        unique = {(r.pass_name, r.rule, r.status, r.nodes, r.reason): r for r in records}
+        # A rejection is re-recorded on every round; report each once. (What fired is
+        # reported every time: each firing changed the graph.)
+        unique: dict[tuple[object, ...], RewriteRecord] = {}
+        for index, r in enumerate(records):
+            changed = r.status in ("fired", "split")
+            unique[(r.pass_name, r.rule, r.status, r.nodes, r.reason, index if changed else -1)] = r
         return PipelineResult(graph, list(unique.values()), seconds, iterations)

@@ -15,7 +15,7 @@ enough to hold whole.
 """
 from __future__ import annotations
 
-from tfmem.config import Config, format_size
+from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
@@ -41,6 +41,7 @@ class SplitOversizedRegions(GraphPass):
         split_size = config.split_size
         records: list[RewriteRecord] = []
         given_up: set[TensorRef] = set()
+        seen_regions: set[tuple[str, ...]] = set()
         loops = 0
         while loops < _MAX_LOOPS:
             seed = _largest_oversized(graph, threshold, given_up)
@@ -53,9 +54,13 @@ class SplitOversizedRegions(GraphPass):
                                              reason, {"tensor": seed.name,
                                                       "bytes": graph.nbytes(seed)}))
                 continue
+            if tuple(region.nodes) in seen_regions:  # it came back: its readers need it whole
+                given_up.add(seed)
+                continue
+            seen_regions.add(tuple(region.nodes))
             chunk = _chunk_length(graph, region, split_size)
             chunk_bytes = region.per_unit_bytes(graph) * chunk
-            replaced = emit_loop(graph, region, chunk, scope=f"tfmem_split_{loops}")
+            replaced = emit_loop(graph, region, chunk, max_write_out=threshold, scope=f"tfmem_split_{loops}")
             for old, new in replaced.items():
                 graph.replace_all_uses(old, new)
             graph.prune()
@@ -64,7 +69,7 @@ class SplitOversizedRegions(GraphPass):
             records.append(RewriteRecord(
                 self.name, "SplitOversizedRegions", "split", (seed.node,), details={
                     "tensor": seed.name, "dim": region.axes[seed], "size": region.size, "chunks": n_chunks,
-                    "chunk": chunk, "chunk_bytes": format_size(chunk_bytes),
+                    "chunk": chunk, "chunk_bytes": chunk_bytes,
                     "loop": f"tfmem_split_{loops - 1}", "nodes": len(region.nodes),
                     "sinks": ",".join(sorted(set(region.sinks.values()))) or "-"}))
         return PassResult(graph, loops > 0, records)

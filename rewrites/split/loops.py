@@ -28,6 +28,7 @@ from rewrites.split.rules import chunk_patches
 
 _INPUT = "tfmem_chunk_input_{}"
 _STRIP_ATTRS = ("_output_shapes", "_class")
+_SMALL_CONSTANT_BYTES = 1 << 16
 
 
 def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: int) -> graph_pb2.GraphDef:
@@ -37,6 +38,7 @@ def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: 
     # Inputs are named but not defined: import_graph_def binds them through input_map. (A
     # placeholder node would be imported even when mapped, and XLA has no kernel for it.)
     index = {ref: k for k, ref in enumerate(inputs)}
+    copied: set[str] = set()
     for name in region.nodes:
         original = graph.node(name)
         node = node_def_pb2.NodeDef()
@@ -54,12 +56,30 @@ def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: 
                 const = _const_node(f"{name}/tfmem_chunk_{position}", patches[position])
                 fragment.node.append(const)
                 node.input.append(const.name)
+            elif ref in index and ref not in region.axes and _is_small_constant(graph, ref):
+                # Shape arguments must stay constants, or shape inference loses dimensions.
+                name_in_fragment = _INPUT.format(index[ref]) + "_const"
+                if name_in_fragment not in copied:
+                    const = node_def_pb2.NodeDef()
+                    const.CopyFrom(graph.node(ref.node))
+                    const.name = name_in_fragment
+                    del const.input[:]
+                    for attr in _STRIP_ATTRS:
+                        if attr in const.attr:
+                            del const.attr[attr]
+                    fragment.node.append(const)
+                    copied.add(name_in_fragment)
+                node.input.append(name_in_fragment)
             elif ref in index:
                 node.input.append(TensorRef(_INPUT.format(index[ref]), 0).as_input())
             else:
                 node.input.append(ref.as_input())
         fragment.node.append(node)
     return fragment
+
+
+def _is_small_constant(graph: Graph, ref: TensorRef) -> bool:
+    return graph.node(ref.node).op == "Const" and (graph.nbytes(ref) or 0) <= _SMALL_CONSTANT_BYTES
 
 
 def _const_node(name: str, value: np.ndarray) -> node_def_pb2.NodeDef:
@@ -110,7 +130,7 @@ class _Combiner:
     def partial(self, outputs: list[tf.Tensor], source: tf.Tensor | None, start: Any, chunk: int) -> list[tf.Tensor]:
         """This chunk's contribution, in global terms (indices offset, means weighted)."""
         if self.kind == "mean":
-            return [outputs[0] * tf.cast(chunk / self.size, outputs[0].dtype)]
+            return [outputs[0] * tf.constant(chunk / self.size, outputs[0].dtype)]  # not via float32
         if self.kind == "topk":
             values, indices = outputs
             return [values, indices + tf.cast(start, indices.dtype)]
@@ -142,14 +162,18 @@ class _Combiner:
         return acc[1:] if self.kind in ("argmax", "argmin") else acc
 
 
-def emit_loop(graph: Graph, region: Region, chunk: int, *, scope: str = "tfmem_split") -> dict[TensorRef, TensorRef]:
+def emit_loop(graph: Graph, region: Region, chunk: int, *, max_write_out: int,
+              scope: str = "tfmem_split") -> dict[TensorRef, TensorRef]:
     """Adds a loop computing `region` in chunks of `chunk`; returns original → new tensors.
 
-    The caller rewires readers with `Graph.replace_all_uses` and prunes the originals.
+    Split tensors read outside the region are assembled whole only up to `max_write_out`
+    bytes; larger ones are left to their original ops (and so to a later loop that can
+    recompute them chunk by chunk), never materialised here. The caller rewires readers
+    with `Graph.replace_all_uses` and prunes the originals.
     """
     inputs = region.inputs(graph)
     in_axes = [region.axes.get(ref) for ref in inputs]
-    write_outs = region.write_outs(graph)
+    write_outs = [ref for ref in region.write_outs(graph) if (graph.nbytes(ref) or 0) <= max_write_out]
     out_axes = [region.axes[ref] for ref in write_outs]
     sink_names = list(region.sinks)
     combiners = {name: _Combiner(graph, region, name) for name in sink_names}
@@ -179,6 +203,7 @@ def emit_loop(graph: Graph, region: Region, chunk: int, *, scope: str = "tfmem_s
 
     def build(*tensors: tf.Tensor) -> list[tf.Tensor]:
         written, acc = run_chunk(tensors, 0, chunk)
+        chunk_shapes = [_to_front(w, a).shape.as_list() for w, a in zip(written, out_axes)]
         arrays = [tf.TensorArray(w.dtype, size=full, element_shape=_to_front(w, a).shape).write(0, _to_front(w, a))
                   for w, a in zip(written, out_axes)]
         if full > 1:
@@ -199,7 +224,7 @@ def emit_loop(graph: Graph, region: Region, chunk: int, *, scope: str = "tfmem_s
         outputs = []
         for k, (ta, axis) in enumerate(zip(arrays, out_axes)):
             stacked = ta.stack()  # [full, chunk, ...]
-            front = tf.reshape(stacked, [full * chunk, *stacked.shape.as_list()[2:]])
+            front = tf.reshape(stacked, [full * chunk, *chunk_shapes[k][1:]])
             if remainder:
                 front = tf.concat([front, _to_front(last_written[k], axis)], axis=0)
             outputs.append(_from_front(front, axis))

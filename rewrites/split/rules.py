@@ -344,6 +344,9 @@ def chunk_patches(graph: Graph, name: str, out_axis: int | None, chunk: int,
         return {2: size}
     if node.op == "StridedSlice" and 0 in in_axes:
         return _strided_slice_patch(graph, node, in_axes[0], chunk)
+    if node.op == "TopKV2" and in_axes.get(0) == len(_shape(graph, inputs[0])) - 1:
+        k = int(_const(graph, inputs[1], "k"))
+        return {1: np.array(min(k, chunk), dtype=np.int32)} if chunk < k else {}  # a short last chunk
     return {}
 
 

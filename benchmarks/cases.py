@@ -1,0 +1,234 @@
+"""Benchmark cases and the methods that run them, one trial per call.
+
+A *case* builds a function and its inputs for a problem size; a *method* runs it:
+
+    tf       stock `tf.function`
+    xla      stock `tf.function(jit_compile=True)`
+    tfmem    `tfmem.function` with the given threshold
+    chunked  a hand-written chunked TensorFlow version (the practical limit)
+
+`run_trial(case, method, size, ...)` is what `tfmem.run_isolated` calls in a fresh
+process under a memory limit; it returns timings and a small digest of the result so
+that methods can be checked against each other.
+
+Example:
+    >>> run_isolated("benchmarks.cases:run_trial", "kernel_matmul", "tfmem", 20000,
+    ...              threshold="64MB", memory_limit_mb=512)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import tensorflow as tf
+
+import tfmem
+
+METHODS = ("tf", "xla", "tfmem", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A problem family: `build(size)` → (function, args, hand-chunked function or None)."""
+
+    name: str
+    description: str
+    size_name: str
+    build: Callable[[int], tuple[Callable[..., Any], tuple[Any, ...], Callable[..., Any] | None]]
+    # Memory grows like size**growth: the OOM-point ratio is reported in these units too.
+    growth: float = 2.0
+
+
+# --- kernel matrix products ----------------------------------------------------------
+
+
+def kernel_matrix(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """exp(-½‖xᵢ − yⱼ‖²) written the naive way: an [n, m, d] difference, then [n, m]."""
+    return tf.exp(-0.5 * tf.reduce_sum(tf.square(x[:, None, :] - y[None, :, :]), axis=-1))
+
+
+def _kernel_matmul(n: int, k: int = 16):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(n, 3)))
+    v = tf.constant(rng.normal(size=(n, k)))
+
+    def fn(x, v):
+        return kernel_matrix(x, x) @ v  # [n, k]
+
+    def chunked(x, v, rows: int = 1024):
+        pieces = [kernel_matrix(x[i:i + rows], x) @ v for i in range(0, n, rows)]
+        return tf.concat(pieces, axis=0)
+
+    return fn, (x, v), tf.function(chunked, jit_compile=True)
+
+
+def _kernel_matvec(n: int):
+    fn, (x, v), _ = _kernel_matmul(n, k=1)
+
+    def chunked(x, v, rows: int = 1024):
+        return tf.concat([kernel_matrix(x[i:i + rows], x) @ v for i in range(0, n, rows)], axis=0)
+
+    return fn, (x, v), tf.function(chunked, jit_compile=True)
+
+
+# --- nearest neighbours --------------------------------------------------------------
+
+
+def knn_indices(queries: tf.Tensor, data: tf.Tensor, k: int = 10) -> tf.Tensor:
+    """Indices of the k nearest data points of each query (squared Euclidean)."""
+    distances = (tf.reduce_sum(queries ** 2, -1)[:, None] + tf.reduce_sum(data ** 2, -1)[None, :]
+                 - 2.0 * queries @ tf.transpose(data))  # [q, n]
+    return tf.math.top_k(-distances, k=k).indices
+
+
+def _knn(dtype: tf.DType) -> Callable[[int], Any]:
+    def build(n: int):
+        rng = np.random.default_rng(0)
+        queries = tf.constant(rng.normal(size=(max(n // 10, 16), 8)), dtype)
+        data = tf.constant(rng.normal(size=(n, 8)), dtype)
+
+        def chunked(queries, data, cols: int = 8192, k: int = 10):
+            best_values, best_indices = None, None
+            for start in range(0, n, cols):
+                block = data[start:start + cols]
+                d = (tf.reduce_sum(queries ** 2, -1)[:, None] + tf.reduce_sum(block ** 2, -1)[None, :]
+                     - 2.0 * queries @ tf.transpose(block))
+                values, indices = tf.math.top_k(-d, k=min(k, block.shape[0]))
+                indices += start
+                if best_values is not None:
+                    values = tf.concat([best_values, values], -1)
+                    indices = tf.concat([best_indices, indices], -1)
+                    top = tf.math.top_k(values, k=k)
+                    values, indices = top.values, tf.gather(indices, top.indices, batch_dims=1)
+                best_values, best_indices = values, indices
+            return best_indices
+
+        return knn_indices, (queries, data), tf.function(chunked, jit_compile=True)
+
+    return build
+
+
+# --- distances with gradients --------------------------------------------------------
+
+
+def _distance_gradient(n: int):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(n, 64)), tf.float32)
+    y = tf.constant(rng.normal(size=(n, 64)), tf.float32)
+
+    def fn(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            total = tf.reduce_sum(tf.sqrt(tf.reduce_sum((x[:, None] - y[None]) ** 2, -1) + 1e-6))
+        return total, tape.gradient(total, x)
+
+    return fn, (x, y), None
+
+
+# --- GPflow SGPR ---------------------------------------------------------------------
+
+
+def sgpr_model(n: int, m: int, seed: int = 0) -> Any:
+    """An SGPR model on synthetic 3-d data with n points and m inducing points."""
+    import gpflow
+
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-3, 3, size=(n, 3))
+    y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
+    return gpflow.models.SGPR((x, y), gpflow.kernels.SquaredExponential(lengthscales=[1.0] * 3),
+                              inducing_variable=x[rng.choice(n, m, replace=False)].copy())
+
+
+def _sgpr(n: int) -> Callable[[int], Any]:
+    def build(m: int):
+        model = sgpr_model(n, m)
+
+        def fn():
+            with tf.GradientTape() as tape:
+                loss = model.training_loss()
+            return loss, tape.gradient(loss, model.trainable_variables)
+
+        return fn, (), None
+
+    return build
+
+
+def _sgpr_predict(n_test: int):
+    model = sgpr_model(2000, 100)
+    x_test = tf.constant(np.random.default_rng(1).uniform(-3, 3, size=(n_test, 3)))
+
+    def fn(x_test):
+        return model.predict_f(x_test)
+
+    return fn, (x_test,), None
+
+
+CASES: dict[str, Case] = {c.name: c for c in [
+    Case("kernel_matmul", "exp(-½ sqdist(X, X)) @ V, X: n×3, V: n×16, float64", "n", _kernel_matmul),
+    Case("kernel_matvec", "exp(-½ sqdist(X, X)) @ v, X: n×3, v: n×1, float64", "n", _kernel_matvec),
+    Case("knn_f32", "k=10 nearest of n/10 queries among n points, d=8, float32", "n", _knn(tf.float32)),
+    Case("knn_f64", "k=10 nearest of n/10 queries among n points, d=8, float64", "n", _knn(tf.float64)),
+    Case("distance_gradient", "Σ naive pairwise distance of n×64 and its gradient, float32", "n",
+         _distance_gradient),
+    Case("sgpr", "GPflow SGPR loss and gradients, N=100000, D=3, float64", "M", _sgpr(100_000), growth=1.0),
+    Case("sgpr_small", "GPflow SGPR loss and gradients, N=10000, D=3, float64", "M", _sgpr(10_000), growth=1.0),
+    Case("sgpr_predict", "GPflow SGPR predict_f (full cov off) on n test points, M=100", "n", _sgpr_predict,
+         growth=1.0),
+]}
+
+
+def _digest(value: Any) -> list[float]:
+    """A small fingerprint of a result: the float64 sum and the first entries of each output."""
+    digest = []
+    for leaf in tf.nest.flatten(value):
+        array = np.asarray(leaf, dtype=np.float64)
+        digest.append(float(array.sum()))
+        digest.extend(array.ravel()[:3].tolist())
+    return digest
+
+
+def run_trial(case: str, method: str, size: int, *, threshold: str | int | None = "64MB",
+              repeats: int = 3, planned: bool = True) -> dict[str, Any]:
+    """Runs one case at one size with one method; returns timings, XLA plan and a digest.
+
+    Raises whatever the method raises (an out-of-memory is a ResourceExhaustedError,
+    which `run_isolated` reports as status "oom").
+    """
+    fn, args, chunked = CASES[case].build(size)
+    if method == "tf":
+        runner = tf.function(fn)
+    elif method == "xla":
+        runner = tf.function(fn, jit_compile=True)
+    elif method == "tfmem":
+        runner = tfmem.function(fn, config=tfmem.Config(tensor_size_threshold=threshold))
+    elif method == "chunked":
+        if chunked is None:
+            raise NotImplementedError(f"no hand-chunked version of {case}")
+        runner = chunked
+    else:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    start = time.perf_counter()
+    value = runner(*args)
+    _digest(value)  # waits for the result
+    first_call = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _digest(runner(*args))
+        times.append(time.perf_counter() - start)
+    result: dict[str, Any] = {"first_call_s": first_call, "step_s": statistics.median(times) if times else None,
+                              "digest": _digest(value)}
+    if planned and method in ("xla", "tfmem", "chunked"):
+        result["xla_planned_bytes"] = tfmem.xla_planned_bytes(runner, *args)
+    if method == "tfmem":
+        report = runner.report(*args)
+        result["status"] = report.status
+        result["splits"] = sum(1 for r in report.records if r.status == "split")
+    return result

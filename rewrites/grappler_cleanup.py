@@ -1,0 +1,180 @@
+"""Cleanup: canonicalise the graph with TensorFlow's Grappler, then fold no-op shape ops.
+
+    Reshape(Const, Const) → Const;  Shape(x) → Const (static x);  Pow(x, 2) → Square(x)
+    Identity(x) → x;  NoOp / control chains → pruned;  Sub(Const 2, Const 1) → Const 1
+    Reshape|ExpandDims|Squeeze|BroadcastTo|EnsureShape(x, ...) → x   when the shape is unchanged
+    Cast(x, T) → x                                                    when x is already T
+
+Grappler (constfold, arithmetic, dependency, pruning; one meta-optimizer round) runs on
+a MetaGraphDef built around the GraphDef, with the function's outputs, placeholders
+and kept nodes (variable writes) named as fetches so it preserves them. Its output has
+no `_output_shapes`, so static shapes are recomputed (`Graph.infer_shapes`, seeded with
+the shapes the original graph had for the nodes Grappler left in place — a variable
+read's shape is only known from there). Grappler leaves reshapes whose shape tensor is
+computed but statically known, and casts to the same type; the no-op folds above
+(pattern rules) catch them. Patterns downstream then see e.g. `Square(Sub(...))`
+however the user spelled it.
+
+Conditions: if Grappler raises, drops a placeholder, an output or a kept node, changes
+an output's type, or its graph cannot be re-typed, the graph stays unchanged (no folds
+either) and the pass records "rejected" with the reason. The function library is
+carried over from the input as it was.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+
+from tfmem.config import Config
+from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.passes import GraphPass, PassResult, RewriteRecord
+from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule, RuleSet
+
+logger = logging.getLogger(__name__)
+
+GRAPPLER_OPTIMIZERS: tuple[str, ...] = ("constfold", "arithmetic", "dependency", "pruning")
+
+
+def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) -> Graph:
+    """The graph after one round of the given Grappler optimizers, with static shapes.
+
+    Example:
+        >>> cleaned = run_grappler(graph)
+        >>> cleaned.outputs == graph.outputs and not cleaned.lint()
+        True
+
+    Raises:
+        GraphError: if Grappler fails, or its result lost something the function needs.
+    """
+    from tensorflow.python.grappler import tf_optimizer
+
+    protected = sorted({o.node for o in graph.outputs} | (graph.keep & {n.name for n in graph.nodes})
+                       | {n.name for n in graph.find("Placeholder")})
+    meta_graph = meta_graph_pb2.MetaGraphDef()
+    meta_graph.graph_def.CopyFrom(graph.to_graph_def())
+    # Grappler treats the train_op collection as fetches: those nodes survive with their names.
+    meta_graph.collection_def["train_op"].node_list.value.extend(protected)
+    config = config_pb2.ConfigProto()
+    rewrite = config.graph_options.rewrite_options
+    rewrite.optimizers.extend(optimizers)
+    rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    rewrite.min_graph_nodes = -1  # small graphs too: the tests and small functions need it
+    try:
+        optimized = tf_optimizer.OptimizeGraph(config, meta_graph)
+    except Exception as err:  # Grappler's errors come as several types; all mean "keep the original"
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise GraphError(f"Grappler failed: {type(err).__name__}: {first_line}") from err
+    names = {n.name: n for n in optimized.node}
+    for name in protected:
+        if name not in names:
+            raise GraphError(f"Grappler dropped {name!r}, which the function needs")
+        if graph.node(name).op == "Placeholder" and names[name].op != "Placeholder":
+            raise GraphError(f"Grappler turned placeholder {name!r} into a {names[name].op}")
+    # Nodes Grappler kept under their name compute the same tensors: their old shapes
+    # are valid hints where inference alone cannot know (e.g. reads of a variable).
+    for node in optimized.node:
+        if node.name in graph and graph.node(node.name).op == node.op \
+                and "_output_shapes" in graph.node(node.name).attr:
+            node.attr["_output_shapes"].CopyFrom(graph.node(node.name).attr["_output_shapes"])
+    optimized.library.CopyFrom(graph.library)  # Grappler may drop functions it thinks unused
+    optimized.versions.CopyFrom(graph.versions)
+    cleaned = Graph(optimized, outputs=graph.outputs, keep=graph.keep)
+    cleaned.infer_shapes()
+    problems = cleaned.lint()
+    if problems:
+        raise GraphError(f"Grappler's graph is not usable: {problems[0]}")
+    for output in graph.outputs:
+        if cleaned.spec(output).dtype != graph.spec(output).dtype or not \
+                cleaned.spec(output).shape.is_compatible_with(graph.spec(output).shape):
+            raise GraphError(f"Grappler changed output {output} from {graph.spec(output)} to "
+                             f"{cleaned.spec(output)}")
+    return cleaned
+
+
+# --- no-op folds Grappler leaves behind -------------------------------------------------
+
+
+def no_op_shape_change(op: OpBuilder, x: PatternNode) -> PatternNode:
+    """A shape op that may leave its input's shape as it was."""
+    return op.any_of((op.Reshape | op.ExpandDims | op.BroadcastTo)(x, op.any()),
+                     (op.Squeeze | op.EnsureShape)(x))
+
+
+def no_op_cast(op: OpBuilder, x: PatternNode) -> PatternNode:
+    """A cast that may be to the type its input already has."""
+    return op.Cast(x)
+
+
+def _unchanged(graph: Graph, match: Match) -> bool:
+    """The root has exactly the static shape and dtype of `x`, and is not a graph output.
+
+    (An output must stay a node of its own: if it became a placeholder, the import,
+    which drops placeholders, could not return it.)
+    """
+    before, after = graph.spec(match["x"]), graph.spec(match.root)
+    return (before.shape.is_fully_defined() and before.shape == after.shape
+            and before.dtype == after.dtype and not graph.is_output(match.root))
+
+
+class FoldNoOp(RewriteRule):
+    """Forwards `x` past a shape op or cast that leaves it unchanged (no new ops)."""
+
+    def __init__(self, name: str, pattern_fn: Callable[..., PatternNode]) -> None:
+        super().__init__(name, Pattern(pattern_fn, require=_unchanged))
+
+    def apply(self, graph: Graph, match: Match) -> dict[TensorRef, TensorRef]:
+        return {match.root: match["x"]}  # readers of the no-op read its input; pruning removes it
+
+
+def no_op_folds() -> list[RewriteRule]:
+    """The fold rules; a match whose shape or dtype does change is simply not a match."""
+    return [FoldNoOp("FoldNoOpReshape", no_op_shape_change), FoldNoOp("FoldNoOpCast", no_op_cast)]
+
+
+class GrapplerCleanup(GraphPass):
+    """Runs Grappler once, then folds no-op reshapes and casts. See the module docstring."""
+
+    name = "grappler_cleanup"
+    stage = "cleanup"
+
+    def __init__(self, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) -> None:
+        self.optimizers = tuple(optimizers)
+        self._done: set[int] = set()
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        records: list[RewriteRecord] = []
+        before = len(graph)
+        modified = False
+        # Grappler is a fixed point after one round on its own output: run it once per graph.
+        fingerprint = hash(graph.to_graph_def().SerializeToString(deterministic=True))
+        if fingerprint not in self._done:
+            try:
+                cleaned = run_grappler(graph, self.optimizers)
+            except GraphError as err:  # all or nothing: the graph goes on exactly as it came
+                logger.info("grappler cleanup skipped: %s", err)
+                return PassResult(graph, False, [RewriteRecord(self.name, "Grappler", "rejected",
+                                                               reason=str(err))])
+            else:
+                modified = _differs(graph, cleaned)
+                if modified:
+                    records.append(RewriteRecord(self.name, "Grappler", "fired",
+                                                 details={"nodes_before": before,
+                                                          "nodes_after": len(cleaned)}))
+                graph = cleaned
+        folds = RuleSet(no_op_folds(), name=self.name).run(graph, config)
+        records.extend(r for r in folds.records if r.status == "fired")
+        graph = folds.graph
+        self._done.add(hash(graph.to_graph_def().SerializeToString(deterministic=True)))
+        return PassResult(graph, modified or folds.modified, records)
+
+
+def _differs(a: Graph, b: Graph) -> bool:
+    if a.outputs != b.outputs or len(a) != len(b):
+        return True
+    return any(n.name not in b or b.node(n.name).op != n.op or list(b.node(n.name).input) != list(n.input)
+               for n in a.nodes)
+
+
+__all__ = ["GRAPPLER_OPTIMIZERS", "FoldNoOp", "GrapplerCleanup", "no_op_folds", "run_grappler"]

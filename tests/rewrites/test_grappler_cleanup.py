@@ -1,0 +1,139 @@
+"""GrapplerCleanup: Grappler from Python, then no-op folds; placeholders, outputs and effects survive."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from rewrites.grappler_cleanup import GrapplerCleanup, no_op_folds, run_grappler
+from tfmem.capture import capture, import_as_function
+from tfmem.config import Config
+from tfmem.graph import Graph, GraphError
+from tfmem.passes import PassManager
+from tfmem.pattern import RuleSet
+from tfmem.wrapper import TfmemFunction
+
+SPEC = tf.TensorSpec([4, 3], tf.float32)
+
+
+def captured_of(fn, *specs):
+    return capture(tf.function(fn, autograph=False).get_concrete_function(*specs))
+
+
+def cleaned(fn, *specs) -> tuple[Graph, Graph, object]:
+    captured = captured_of(fn, *specs)
+    graph = captured.to_graph()
+    result = PassManager([GrapplerCleanup()], lint=True).run(graph, Config())
+    return graph, result.graph, result
+
+
+def noisy(x, y):
+    """Identities, a reshape to the same shape via tf.shape, shape arithmetic, a same-type cast."""
+    z = tf.identity(tf.identity(x) * 2.0)
+    z = tf.reshape(z, tf.shape(x))
+    z = tf.cast(z, tf.float32)
+    z = tf.expand_dims(z, 0)  # a real shape change: stays
+    width = tf.shape(x)[1] * 2 - 3  # constant shape arithmetic
+    return tf.reduce_sum(z, [0]) * tf.cast(width, tf.float32)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32])
+def test_folds_identities_noop_reshapes_casts_and_shape_arithmetic(rng, dtype):
+    before, after, result = cleaned(noisy, SPEC, SPEC)
+    ops = after.op_counts()
+    assert "Shape" not in ops and "StridedSlice" not in ops and "Cast" not in ops
+    assert ops.get("Identity", 0) <= len(after.outputs)  # only the function's own output identity
+    assert ops.get("Reshape", 0) == 0
+    assert len(after) < len(before)
+    assert any(r.rule == "Grappler" and r.status == "fired" for r in result.records)
+    assert not after.lint() and all(n.attr["_output_shapes"].list.shape for n in after.nodes)
+
+
+def test_results_unchanged_and_placeholders_and_outputs_preserved(rng):
+    captured = captured_of(noisy, SPEC, SPEC)
+    graph = captured.to_graph()
+    after = PassManager([GrapplerCleanup()], lint=True).run(graph, Config()).graph
+    # y is unused, yet its placeholder is an argument of the function and must stay
+    assert {n.name for n in after.find("Placeholder")} == {"x", "y"}
+    assert after.outputs == graph.outputs
+    x, y = (rng.normal(size=(4, 3)).astype(np.float32) for _ in range(2))
+    got = import_as_function(captured, after.to_graph_def(), after.outputs, jit_compile=False)(x, y)
+    np.testing.assert_allclose(got, noisy(tf.constant(x), tf.constant(y)), rtol=1e-6)
+
+
+def test_variable_write_survives_cleanup_through_tfmem_function(rng):
+    variable = tf.Variable(tf.zeros([3]))
+
+    def step(x):
+        variable.assign_add(tf.reduce_sum(tf.identity(x), 0))
+        return tf.reshape(x, [4, 3]) * 2.0
+
+    wrapped = TfmemFunction(step, config={"strict": True, "jit_compile": False},
+                            passes=[GrapplerCleanup()], lint=True)
+    x = tf.constant(rng.normal(size=(4, 3)).astype(np.float32))
+    np.testing.assert_allclose(wrapped(x), 2.0 * x.numpy(), rtol=1e-6)
+    wrapped(x)
+    np.testing.assert_allclose(variable.numpy(), 2.0 * x.numpy().sum(0), rtol=1e-5)
+    assert wrapped.report(x).status == "rewritten"
+
+
+def test_gradients_through_variables_keep_static_shapes(rng):
+    variable = tf.Variable(rng.normal(size=(3, 2)).astype(np.float32))
+
+    def loss_and_grad(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(tf.matmul(x, variable)))
+        return loss, tape.gradient(loss, variable)
+
+    captured = captured_of(loss_and_grad, SPEC)
+    after = run_grappler(captured.to_graph())
+    assert not after.lint()
+    reads = list(after.find("ReadVariableOp"))
+    assert reads and all(after.spec(f"{r.name}:0").shape == [3, 2] for r in reads)
+
+
+def test_failure_leaves_the_graph_unchanged_with_a_reason(monkeypatch):
+    from tensorflow.python.grappler import tf_optimizer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("grappler exploded")
+
+    monkeypatch.setattr(tf_optimizer, "OptimizeGraph", broken)
+    captured = captured_of(noisy, SPEC, SPEC)
+    graph = captured.to_graph()
+    result = GrapplerCleanup().run(graph.copy(), Config())
+    (record,) = result.records
+    assert record.status == "rejected" and "grappler exploded" in record.reason
+    assert not result.modified
+    assert [(n.name, n.op, list(n.input)) for n in result.graph.nodes] == \
+        [(n.name, n.op, list(n.input)) for n in graph.nodes]
+
+
+def test_run_grappler_refuses_a_result_that_lost_a_placeholder(monkeypatch):
+    from tensorflow.python.grappler import tf_optimizer
+
+    real = tf_optimizer.OptimizeGraph
+
+    def drops_y(config, meta_graph, **kwargs):
+        graph_def = real(config, meta_graph, **kwargs)
+        kept = [n for n in graph_def.node if n.name != "y"]
+        del graph_def.node[:]
+        graph_def.node.extend(kept)
+        return graph_def
+
+    monkeypatch.setattr(tf_optimizer, "OptimizeGraph", drops_y)
+    with pytest.raises(GraphError, match="dropped 'y'"):
+        run_grappler(captured_of(noisy, SPEC, SPEC).to_graph())
+
+
+def test_no_op_folds_leave_real_reshapes(rng):
+    captured = captured_of(lambda x: tf.reshape(tf.reshape(x, [3, 4]), [3, 4]) + 1.0, SPEC)
+    result = RuleSet(no_op_folds()).run(captured.to_graph(), Config())
+    assert [r.rule for r in result.records] == ["FoldNoOpReshape"]
+    assert result.graph.op_counts()["Reshape"] == 1
+
+
+def test_reaches_a_fixed_point():
+    captured = captured_of(noisy, SPEC, SPEC)
+    result = PassManager([GrapplerCleanup()], lint=True).run(captured.to_graph(), Config())
+    assert result.iterations <= 2

@@ -1,0 +1,215 @@
+"""SplitOversizedRegions: split == unsplit, bounded chunks, reasons for what stays whole."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfmem
+from benchmarks.cases import kernel_matrix, knn_indices, sgpr_model
+from rewrites.split import SplitOversizedRegions
+from rewrites.split.rules import DimClass, dim_classes
+from tfmem import Config, Graph, TensorRef
+
+
+def split_config(threshold: int, split: int | None = None) -> Config:
+    return Config(tensor_size_threshold=threshold, tensor_split_size=split, strict=True)
+
+
+def top_level_bytes(graph_def: Any) -> list[tuple[str, int]]:
+    """(tensor, bytes) of every top-level tensor (loop bodies live in the library)."""
+    graph = Graph(graph_def)
+    sizes = []
+    for node in graph_def.node:
+        for index in range(len(graph.output_specs(node.name))):
+            sizes.append((f"{node.name}:{index}", graph.nbytes(TensorRef(node.name, index)) or 0))
+    return sizes
+
+
+def assert_split_bounded(wrapped: tfmem.TfmemFunction, args: tuple, threshold: int) -> tfmem.Report:
+    report = wrapped.report(*args)
+    assert report.status == "rewritten", report.reason
+    splits = [r for r in report.records if r.status == "split"]
+    assert splits, str(report)
+    # No materialised top-level tensor over the threshold, except graph inputs.
+    inputs = {n.name for n in report.rewritten_graph_def.node if n.op in ("Placeholder", "Const")}
+    oversized = [(t, b) for t, b in top_level_bytes(report.rewritten_graph_def)
+                 if b > threshold and t.split(":")[0] not in inputs]
+    assert not oversized, oversized
+    assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
+    return report
+
+
+def _relative_error(got: Any, want: Any) -> float:
+    errors = [np.max(np.abs(np.asarray(g) - np.asarray(w))) / max(np.max(np.abs(np.asarray(w))), 1e-300)
+              for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want))]
+    return max(errors)
+
+
+def test_kernel_matmul_split_equals_unsplit(rng: np.random.Generator) -> None:
+    x, v = tf.constant(rng.normal(size=(500, 3))), tf.constant(rng.normal(size=(500, 16)))
+    fn = lambda x, v: kernel_matrix(x, x) @ v  # noqa: E731
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(400_000), lint=True)
+    report = assert_split_bounded(wrapped, (x, v), 400_000)
+    assert _relative_error(wrapped(x, v), fn(x, v)) <= 1e-10
+    (split,) = [r for r in report.records if r.status == "split"]
+    assert split.details["chunks"] >= 2 and split.details["chunk_bytes"] <= 400_000
+    assert report.xla_bytes_after is None  # report() does not compile
+    explained = wrapped.explain(x, v)
+    assert explained.xla_bytes_after < explained.xla_bytes_before / 2
+
+
+def test_outer_tape_backward_is_split_too(rng: np.random.Generator) -> None:
+    x, v = tf.constant(rng.normal(size=(300, 3))), tf.constant(rng.normal(size=(300, 16)))
+
+    def fn(x, v):
+        return kernel_matrix(x, x) @ v
+
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(200_000), lint=True)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        got = tf.reduce_sum(wrapped(x, v) ** 2)
+        want = tf.reduce_sum(fn(x, v) ** 2)
+    assert _relative_error(tape.gradient(got, x), tape.gradient(want, x)) <= 1e-10
+    (signature,) = wrapped._signatures.values()
+    (backward,) = signature.backward.values()
+    (backward_signature,) = backward._signatures.values()
+    assert any(r.status == "split" for r in backward_signature.report.records)
+
+
+@pytest.mark.parametrize("n_data", [3000, 3001])  # divisible and with a remainder chunk
+def test_knn_split_gives_identical_indices(n_data: int, rng: np.random.Generator) -> None:
+    queries = tf.constant(rng.normal(size=(200, 8)), tf.float32)
+    data = tf.constant(rng.normal(size=(n_data, 8)), tf.float32)
+    wrapped = tfmem.TfmemFunction(knn_indices, config=split_config(500_000), lint=True)
+    report = assert_split_bounded(wrapped, (queries, data), 500_000)
+    assert any(r.details.get("sinks") == "topk" for r in report.records if r.status == "split")
+    np.testing.assert_array_equal(wrapped(queries, data).numpy(), knn_indices(queries, data).numpy())
+
+
+def _cross(x, y):
+    return tf.exp(-tf.square(x @ tf.transpose(y)) / 10.0)  # [n, m]
+
+
+SINKS: list[tuple[str, Callable[..., Any]]] = [
+    ("sum_rows", lambda x, y: tf.reduce_sum(_cross(x, y), axis=1)),
+    ("sum_cols", lambda x, y: tf.reduce_sum(_cross(x, y), axis=0)),
+    ("sum_all", lambda x, y: tf.reduce_sum(_cross(x, y))),
+    ("mean_cols", lambda x, y: tf.reduce_mean(_cross(x, y), axis=0)),
+    ("max_rows", lambda x, y: tf.reduce_max(_cross(x, y), axis=1)),
+    ("min_cols", lambda x, y: tf.reduce_min(_cross(x, y), axis=0, keepdims=True)),
+    ("argmax_rows", lambda x, y: tf.argmax(_cross(x, y), axis=1)),
+    ("argmin_cols", lambda x, y: tf.argmin(_cross(x, y), axis=0)),
+    ("contract", lambda x, y: _cross(x, y) @ y),
+    ("contract_t", lambda x, y: tf.matmul(_cross(x, y), x, transpose_a=True)),
+    ("write_out_small", lambda x, y: tf.reduce_sum(_cross(x, y), axis=1, keepdims=True) * x),
+]
+
+
+@pytest.mark.parametrize("name, fn", SINKS, ids=[s[0] for s in SINKS])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_every_sink_combines_correctly(name: str, fn: Callable[..., Any], dtype: tf.DType,
+                                       rng: np.random.Generator) -> None:
+    x = tf.constant(rng.normal(size=(257, 4)), dtype)
+    y = tf.constant(rng.normal(size=(301, 4)), dtype)
+    threshold = 257 * 301 * dtype.size // 5
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    assert_split_bounded(wrapped, (x, y), threshold)
+    got, want = wrapped(x, y), fn(x, y)
+    if want.dtype.is_integer:
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    else:
+        assert _relative_error(got, want) <= (1e-5 if dtype == tf.float32 else 1e-12)
+
+
+def test_largest_body_tensor_respects_split_size(rng: np.random.Generator) -> None:
+    x, v = tf.constant(rng.normal(size=(400, 3))), tf.constant(rng.normal(size=(400, 16)))
+    wrapped = tfmem.TfmemFunction(lambda x, v: kernel_matrix(x, x) @ v,
+                                  config=split_config(800_000, split=100_000), lint=True)
+    report = wrapped.report(x, v)
+    (split,) = [r for r in report.records if r.status == "split"]
+    # Chunks are as long as they can be with the body's largest tensor within 100 kB.
+    chunk, chunk_bytes = split.details["chunk"], split.details["chunk_bytes"]
+    assert chunk_bytes <= 100_000 < chunk_bytes // chunk * (chunk + 1)
+
+
+def test_unsupported_op_stays_whole_with_reason(rng: np.random.Generator) -> None:
+    def fn(x, y):
+        return tf.reduce_sum(tf.math.cumsum(_cross(x, y), axis=1), axis=1)
+
+    x, y = tf.constant(rng.normal(size=(200, 4))), tf.constant(rng.normal(size=(300, 4)))
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(100_000), lint=True)
+    report = wrapped.report(x, y)
+    unsplit = [r for r in report.records if r.status == "unsplit"]
+    assert any("Cumsum" in r.reason for r in unsplit), str(report)
+    assert _relative_error(wrapped(x, y), fn(x, y)) <= 1e-12
+
+
+def test_no_threshold_means_no_split(rng: np.random.Generator) -> None:
+    x, y = tf.constant(rng.normal(size=(50, 4))), tf.constant(rng.normal(size=(60, 4)))
+    wrapped = tfmem.TfmemFunction(lambda x, y: tf.reduce_sum(_cross(x, y)), passes=[SplitOversizedRegions()])
+    assert wrapped.report(x, y).status == "unchanged"
+
+
+def test_sgpr_loss_and_gradients_split_equal_stock() -> None:
+    model = sgpr_model(3000, 40)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.training_loss()
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    threshold = 40 * 3000 * 8 // 4  # every [M, N] tensor is over it
+    wrapped = tfmem.TfmemFunction(step, config=split_config(threshold), lint=True)
+    assert_split_bounded(wrapped, (), threshold)
+    assert _relative_error(wrapped(), tf.function(step, jit_compile=True)()) <= 1e-8
+
+
+def test_dim_classes_of_matmul_name_the_contraction() -> None:
+    concrete = tf.function(lambda a, b: tf.matmul(a, b, transpose_b=True)).get_concrete_function(
+        tf.TensorSpec([5, 3]), tf.TensorSpec([7, 3]))
+    graph = Graph(concrete.graph.as_graph_def(add_shapes=True))
+    (matmul,) = list(graph.find("MatMul"))
+    a, b = graph.inputs(matmul.name)
+    out = TensorRef(matmul.name)
+    assert dim_classes(graph, matmul.name) == [DimClass(((a, 0), (out, 0))), DimClass(((b, 0), (out, 1))),
+                                               DimClass(((a, 1), (b, 1)), combine="sum")]
+
+
+ELEMENTWISE = [tf.exp, tf.tanh, tf.sigmoid, tf.square, lambda t: tf.maximum(t, 0.1), lambda t: t * 2.0 + 1.0,
+               lambda t: tf.where(t > 0, t, -t), lambda t: tf.cast(tf.cast(t, tf.float32), tf.float64),
+               lambda t: tf.transpose(tf.transpose(t)), lambda t: tf.sqrt(tf.abs(t) + 1.0)]
+SINK_FNS = [lambda t: tf.reduce_sum(t, 1), lambda t: tf.reduce_max(t, 0), lambda t: tf.reduce_mean(t),
+            lambda t: tf.math.top_k(t, 3).values, lambda t: t @ tf.ones([t.shape[1], 2], t.dtype),
+            lambda t: tf.argmin(t, 1)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(ops=st.lists(st.integers(0, len(ELEMENTWISE) - 1), min_size=1, max_size=4),
+       sink=st.integers(0, len(SINK_FNS) - 1), n=st.integers(40, 90), m=st.integers(40, 90),
+       seed=st.integers(0, 10_000))
+def test_random_graphs_split_equals_unsplit(ops: list[int], sink: int, n: int, m: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x, y = tf.constant(rng.normal(size=(n, 3))), tf.constant(rng.normal(size=(m, 3)))
+
+    def fn(x, y):
+        t = x @ tf.transpose(y)  # [n, m]: the oversized intermediate
+        for op in ops:
+            t = ELEMENTWISE[op](t)
+        return SINK_FNS[sink](t)
+
+    threshold = n * m * 8 // 3
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    report = wrapped.report(x, y)
+    # Split, or (e.g. a reordered chain) no longer needing a split: nothing oversized is left.
+    assert max(b for _, b in top_level_bytes(report.rewritten_graph_def)) <= threshold, str(report)
+    got, want = wrapped(x, y), fn(x, y)
+    if want.dtype.is_integer:
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    else:
+        assert _relative_error(got, want) <= 1e-10

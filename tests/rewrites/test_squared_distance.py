@@ -1,0 +1,182 @@
+"""ExpandSquaredDistance: naive pairwise squared distances, forward and backward."""
+from __future__ import annotations
+
+import gpflow
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from rewrites.cleanup import ForwardIdentities
+from rewrites.grappler_cleanup import GrapplerCleanup
+from rewrites.squared_distance import ExpandSquaredDistance
+from tfmem.capture import capture
+from tfmem.config import Config
+from tfmem.graph import Graph, TensorRef
+from tfmem.memory import estimate_memory
+from tfmem.wrapper import TfmemFunction
+
+PASSES = [ForwardIdentities(), GrapplerCleanup(), ExpandSquaredDistance()]
+CONFIG = {"strict": True, "jit_compile": False}
+
+FORMS = {
+    "expand_dims_square": lambda x, y: tf.reduce_sum(
+        tf.square(tf.expand_dims(x, -2) - tf.expand_dims(y, -3)), -1),
+    "newaxis_pow": lambda x, y: tf.reduce_sum((x[:, tf.newaxis, :] - y[tf.newaxis, :, :]) ** 2, -1),
+    "broadcast_self_product": lambda x, y: (lambda d: tf.reduce_sum(d * d, axis=-1))(x[:, None] - y),
+    "squared_difference": lambda x, y: tf.reduce_sum(
+        tf.math.squared_difference(x[:, None, :], y[None, :, :]), -1),
+    "reversed_sqrt": lambda x, y: tf.sqrt(tf.reduce_sum(tf.square(y[None] - x[:, None]), -1)),
+    "gpflow_difference_matrix": lambda x, y: tf.reduce_sum(
+        tf.square(gpflow.utilities.ops.difference_matrix(x, y)), -1),
+    "euclidean_norm": lambda x, y: tf.norm(x[:, None] - y[None], axis=-1),
+    "mean_keepdims": lambda x, y: tf.reduce_mean(
+        tf.square(x[:, None, :] - y[None, :, :]), -1, keepdims=True)[..., 0],
+}
+
+
+def with_gradients(distance):
+    def fn(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch([x, y])
+            loss = tf.reduce_sum(tf.exp(-0.5 * distance(x, y)))
+        gx, gy = tape.gradient(loss, [x, y])
+        return loss, gx, gy
+
+    return fn
+
+
+def forward_only(distance):
+    def fn(x, y):
+        return distance(x, y)
+
+    return fn
+
+
+def big_tensors(graph_def, n: int, m: int, d: int) -> list[str]:
+    """Nodes with an output of n·m·d elements (or more)."""
+    found = []
+    for node in graph_def.node:
+        for shape in node.attr["_output_shapes"].list.shape:
+            dims = [dim.size for dim in shape.dim]
+            if shape.unknown_rank or any(s < 0 for s in dims) or np.prod(dims, dtype=np.int64) >= n * m * d:
+                found.append(f"{node.name} ({node.op}) {dims}")
+    return found
+
+
+def data(rng, shape_x, shape_y, dtype):
+    return (tf.constant(rng.normal(size=shape_x).astype(dtype)),
+            tf.constant(rng.normal(size=shape_y).astype(dtype)))
+
+
+def assert_close(got, want, rtol):
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=rtol * np.max(np.abs(w)))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("wrap", [forward_only, with_gradients], ids=["forward", "tape"])
+def test_expands_every_naive_form(rng, form, dtype, wrap):
+    n, m, d = 7, 5, 3
+    x, y = data(rng, (n, d), (m, d), dtype)
+    fn = wrap(FORMS[form])
+    wrapped = TfmemFunction(fn, config=CONFIG, passes=PASSES, lint=True)
+    report = wrapped.report(x, y)
+    fired = [r for r in report.records if r.rule == "ExpandSquaredDistance" and r.status == "fired"]
+    assert fired, [str(r) for r in report.records]
+    rewritten = report.rewritten_graph_def
+    assert big_tensors(rewritten, n, m, d) == []
+    assert {"MatMul", "BatchMatMulV2"} & {node.op for node in rewritten.node}
+    assert report.memory_after.peak_bytes < report.memory_before.peak_bytes
+    assert_close(wrapped(x, y), tf.function(fn)(x, y), rtol=1e-4 if dtype == np.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_leading_batch_dimensions_and_broadcast_y(rng, dtype):
+    n, m, d = 6, 4, 3
+    x, y = data(rng, (2, n, d), (m, d), dtype)
+    fn = with_gradients(lambda a, b: tf.reduce_sum(tf.square(a[..., :, None, :] - b[None, :, :]), -1))
+    wrapped = TfmemFunction(fn, config=CONFIG, passes=PASSES, lint=True)
+    report = wrapped.report(x, y)
+    assert big_tensors(report.rewritten_graph_def, n, m, d) == []
+    assert_close(wrapped(x, y), tf.function(fn)(x, y), rtol=1e-4 if dtype == np.float32 else 1e-10)
+
+
+def test_rule_alone_on_the_traced_graph_replaces_forward_and_backward(rng):
+    fn = with_gradients(FORMS["expand_dims_square"])
+    concrete = tf.function(fn).get_concrete_function(tf.TensorSpec([7, 3]), tf.TensorSpec([5, 3]))
+    graph = capture(concrete).to_graph()
+    result = ExpandSquaredDistance().run(graph, Config())
+    (record,) = result.records
+    assert record.status == "fired" and record.details["exits"] == 3  # Σ_d, Σ_j (dx), Σ_i (dy)
+    assert big_tensors(result.graph.to_graph_def(), 7, 5, 3) == []
+    assert "MatMul" in result.graph.op_counts()
+    assert not result.graph.lint()
+
+
+def test_no_pairwise_tensor_survives_a_tape_at_moderate_size(rng):
+    n, m, d = 300, 300, 16
+    x, y = data(rng, (n, d), (m, d), np.float32)
+    fn = with_gradients(FORMS["newaxis_pow"])
+    wrapped = TfmemFunction(fn, config={"strict": True, "jit_compile": True}, passes=PASSES, lint=True)
+    report = wrapped.report(x, y)
+    assert big_tensors(report.rewritten_graph_def, n, m, d) == []
+    assert report.memory_after.peak_bytes < report.memory_before.peak_bytes / 4
+    got, want = wrapped(x, y), tf.function(fn)(x, y)
+    for g, w in zip(got, want):
+        rel = np.max(np.abs(g.numpy() - w.numpy())) / np.max(np.abs(w.numpy()))
+        assert rel < 1e-4
+
+
+def test_sqrt_is_clamped_where_the_expansion_cancels(rng):
+    x = tf.constant(rng.normal(size=(5, 3)).astype(np.float32) * 100.0)
+    fn = forward_only(lambda a, b: tf.sqrt(tf.reduce_sum(tf.square(a[:, None] - b[None]), -1)))
+    wrapped = TfmemFunction(fn, config=CONFIG, passes=PASSES, lint=True)
+    got = wrapped(x, x).numpy()  # the diagonal is 0 exactly in the naive form
+    assert not np.any(np.isnan(got))
+    assert {"Maximum"} <= {n.op for n in wrapped.rewritten_graph_def(x, x).node}
+
+
+def _reason(fn, *specs):
+    graph = capture(tf.function(fn).get_concrete_function(*specs)).to_graph()
+    records = ExpandSquaredDistance().run(graph, Config()).records
+    assert records and all(r.status == "rejected" for r in records), [str(r) for r in records]
+    return records[0].reason
+
+
+SPECS = (tf.TensorSpec([7, 3]), tf.TensorSpec([5, 3]))
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (lambda x, y: (lambda diff: (tf.reduce_sum(tf.square(diff), -1), diff))(x[:, None] - y[None]),
+     "not self-contained: Identity_1:0 is a graph output"),
+    (lambda x, y: (lambda diff: (tf.reduce_sum(tf.square(diff), -1), tf.exp(diff)))(x[:, None] - y[None]),
+     "Exp:0 (Exp) is computed from the pairwise difference sub:0 but has no closed form"),
+    (lambda x, y: tf.reduce_sum(tf.abs(x[:, None] - y[None]), -1),
+     "Abs:0 (Abs) is computed from the pairwise difference"),
+    (lambda x, y: tf.reduce_sum(tf.square((x[:, None] - y[None]) / tf.constant([1.0, 2.0, 3.0])), -1),
+     "varies along the feature axis"),
+    (lambda x, y: tf.reduce_max(tf.square(x[:, None] - y[None]), -1),
+     "Max (Max) reads the pairwise tensor sub:0 and is not a reduction"),
+])
+def test_rejections_explain_themselves(fn, reason):
+    assert reason in _reason(fn, *SPECS)
+
+
+def test_memory_estimate_goes_down(rng):
+    fn = with_gradients(FORMS["expand_dims_square"])
+    concrete = tf.function(fn).get_concrete_function(tf.TensorSpec([40, 8]), tf.TensorSpec([30, 8]))
+    graph = capture(concrete).to_graph()
+    before = estimate_memory(graph).peak_bytes
+    after = estimate_memory(ExpandSquaredDistance().run(graph.copy(), Config()).graph).peak_bytes
+    assert after < before / 2
+
+
+def test_rejected_region_leaves_graph_unchanged():
+    fn = lambda x, y: tf.reduce_sum(tf.abs(x[:, None] - y[None]), -1)  # noqa: E731
+    graph: Graph = capture(tf.function(fn).get_concrete_function(*SPECS)).to_graph()
+    before = graph.to_graph_def()
+    result = ExpandSquaredDistance().run(graph, Config())
+    assert not result.modified
+    assert [n.name for n in result.graph.to_graph_def().node] == [n.name for n in before.node]
+    assert result.graph.spec(TensorRef("sub")).shape.as_list() == [7, 5, 3]
