@@ -7,16 +7,19 @@ its class to `PASSES_BY_STAGE`.
 from __future__ import annotations
 
 from rewrites.cleanup import ForwardIdentities
-from rewrites.diag_of_product import ContractDiagOfProduct
+from rewrites.grappler_cleanup import GrapplerCleanup
+from rewrites.squared_distance import ExpandSquaredDistance
+from rewrites.diag_of_product import ContractDiagOfProduct, ScaleByDiagonal
 from rewrites.matmul_chain import ReorderMatMulChain
+from rewrites.split import SplitOversizedRegions
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities,),
-    "match_and_replace": (),
-    "reorder": (ContractDiagOfProduct, ReorderMatMulChain),
-    "split": (),
+    "cleanup": (ForwardIdentities, GrapplerCleanup),
+    "match_and_replace": (ExpandSquaredDistance,),
+    "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
+    "split": (SplitOversizedRegions,),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

@@ -135,6 +135,8 @@ class Config:
     Attributes:
         tensor_size_threshold: a tensor larger than this (bytes) is split; None = never split.
         tensor_split_size: the largest tensor a split loop body may hold; None = the threshold.
+        memory_budget: after splitting, keep splitting the largest tensors live at the
+            static peak until the estimate fits this many bytes; None = no budget.
         passes: the pipeline stages that run, a subset of `PASS_STAGES`.
         jit_compile: compile the rewritten graph with XLA.
         strict: raise instead of falling back to the original function when tfmem cannot
@@ -153,6 +155,7 @@ class Config:
 
     tensor_size_threshold: int | None = None
     tensor_split_size: int | None = None
+    memory_budget: int | None = None
     passes: tuple[str, ...] = PASS_STAGES
     jit_compile: bool = True
     strict: bool = False
@@ -165,6 +168,7 @@ class Config:
         normalise = {
             "tensor_size_threshold": parse_size,
             "tensor_split_size": parse_size,
+            "memory_budget": parse_size,
             "passes": _parse_passes,
             "jit_compile": _parse_bool,
             "strict": _parse_bool,
@@ -178,6 +182,9 @@ class Config:
         if split is not None and threshold is None:
             raise ValueError(f"tensor_split_size: set to {split} bytes but tensor_size_threshold is "
                              "not set; the split size only applies once a threshold is set")
+        if self.memory_budget is not None and threshold is None:
+            raise ValueError(f"memory_budget: set to {self.memory_budget} bytes but tensor_size_threshold "
+                             "is not set; the budget is met by splitting, which the threshold turns on")
         if split is not None and threshold is not None and split > threshold:
             raise ValueError(f"tensor_split_size: {split} bytes is larger than "
                              f"tensor_size_threshold ({threshold} bytes); it must be <= the threshold")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
+from tfmem.memory import estimate_memory
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.split.loops import emit_loop
@@ -26,10 +27,16 @@ from rewrites.split.rules import SUPPORTED_OPS
 __all__ = ["SplitOversizedRegions", "SUPPORTED_OPS"]
 
 _MAX_LOOPS = 64
+# Graph inputs cannot be split.
+_INPUT_OPS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 
 
 class SplitOversizedRegions(GraphPass):
-    """Splits every region it can around tensors over the threshold into chunked loops."""
+    """Splits every region it can around tensors over the threshold into chunked loops.
+
+    With `memory_budget` set, it then keeps splitting the largest tensor live at the
+    static peak (below the threshold now) while the estimate is over the budget.
+    """
 
     name = "split_oversized_regions"
     stage = "split"
@@ -38,41 +45,88 @@ class SplitOversizedRegions(GraphPass):
         threshold = config.tensor_size_threshold
         if threshold is None:
             return PassResult(graph, False, [])
-        split_size = config.split_size
-        records: list[RewriteRecord] = []
-        given_up: set[TensorRef] = set()
-        seen_regions: set[tuple[str, ...]] = set()
-        loops = 0
-        while loops < _MAX_LOOPS:
-            seed = _largest_oversized(graph, threshold, given_up)
+        splitter = _Splitter(self.name, graph)
+        splitter.split_all(threshold, config.split_size)
+        if config.memory_budget is not None:
+            splitter.fit_budget(config.memory_budget, config.split_size)
+        return PassResult(graph, splitter.loops > 0, splitter.records)
+
+
+class _Splitter:
+    """The state of one run of the pass: records, and seeds already tried."""
+
+    def __init__(self, pass_name: str, graph: Graph) -> None:
+        self.pass_name = pass_name
+        self.graph = graph
+        self.records: list[RewriteRecord] = []
+        self.given_up: set[TensorRef] = set()
+        self.seen_regions: set[tuple[str, ...]] = set()
+        self.loops = 0
+
+    def split_all(self, threshold: int, split_size: int) -> None:
+        """Splits around every tensor over `threshold`, largest first."""
+        graph = self.graph
+        while self.loops < _MAX_LOOPS:
+            seed = _largest_oversized(graph, threshold, self.given_up)
             if seed is None:
-                break
+                return
             region, reason = _best_region(graph, seed, threshold, split_size)
             if region is None:
-                given_up.add(seed)
-                records.append(RewriteRecord(self.name, "SplitOversizedRegions", "unsplit", (seed.node,),
-                                             reason, {"tensor": seed.name,
-                                                      "bytes": graph.nbytes(seed)}))
+                self.given_up.add(seed)
+                self.records.append(RewriteRecord(self.pass_name, "SplitOversizedRegions", "unsplit",
+                                                  (seed.node,), reason,
+                                                  {"tensor": seed.name, "bytes": graph.nbytes(seed)}))
                 continue
-            if tuple(region.nodes) in seen_regions:  # it came back: its readers need it whole
-                given_up.add(seed)
+            if tuple(region.nodes) in self.seen_regions:  # it came back: its readers need it whole
+                self.given_up.add(seed)
                 continue
-            seen_regions.add(tuple(region.nodes))
-            chunk = _chunk_length(graph, region, split_size)
-            chunk_bytes = region.per_unit_bytes(graph) * chunk
-            replaced = emit_loop(graph, region, chunk, max_write_out=threshold, scope=f"tfmem_split_{loops}")
-            for old, new in replaced.items():
-                graph.replace_all_uses(old, new)
-            graph.prune()
-            loops += 1
-            n_chunks = -(-region.size // chunk)
-            records.append(RewriteRecord(
-                self.name, "SplitOversizedRegions", "split", (seed.node,), details={
-                    "tensor": seed.name, "dim": region.axes[seed], "size": region.size, "chunks": n_chunks,
-                    "chunk": chunk, "chunk_bytes": chunk_bytes,
-                    "loop": f"tfmem_split_{loops - 1}", "nodes": len(region.nodes),
-                    "sinks": ",".join(sorted(set(region.sinks.values()))) or "-"}))
-        return PassResult(graph, loops > 0, records)
+            self.seen_regions.add(tuple(region.nodes))
+            self._emit(region, seed, threshold, split_size)
+
+    def _emit(self, region: Region, seed: TensorRef, threshold: int, split_size: int) -> None:
+        graph = self.graph
+        chunk = _chunk_length(graph, region, split_size)
+        chunk_bytes = region.per_unit_bytes(graph) * chunk
+        loop = f"tfmem_split_{self.loops}"
+        replaced = emit_loop(graph, region, chunk, max_write_out=threshold, scope=loop)
+        for old, new in replaced.items():
+            graph.replace_all_uses(old, new)
+        graph.prune()
+        self.loops += 1
+        self.records.append(RewriteRecord(
+            self.pass_name, "SplitOversizedRegions", "split", (seed.node,), details={
+                "tensor": seed.name, "dim": region.axes[seed], "size": region.size,
+                "chunks": -(-region.size // chunk), "chunk": chunk, "chunk_bytes": chunk_bytes,
+                "loop": loop, "nodes": len(region.nodes),
+                "sinks": ",".join(sorted(set(region.sinks.values()))) or "-"}))
+
+    def fit_budget(self, budget: int, split_size: int) -> None:
+        """Splits the largest tensor live at the static peak while the peak is over `budget`."""
+        for _ in range(_MAX_LOOPS):
+            estimate = estimate_memory(self.graph)
+            if estimate.peak_bytes <= budget:
+                self.records.append(RewriteRecord(self.pass_name, "MemoryBudget", "info",
+                                                  details={"peak_bytes": estimate.peak_bytes,
+                                                           "budget_bytes": budget}))
+                return
+            # A loop body holds a handful of chunk-sized tensors at once: chunks of an
+            # eighth of the budget keep it well inside.
+            chunk_budget = min(split_size, budget // 8)
+            candidates = [TensorRef.parse(t.name) for t in estimate.live_at_peak
+                          if self.graph.node(TensorRef.parse(t.name).node).op not in _INPUT_OPS
+                          and TensorRef.parse(t.name) not in self.given_up and t.nbytes > chunk_budget]
+            if not candidates:
+                break
+            target = self.graph.nbytes(candidates[0]) or 0
+            loops = self.loops
+            self.split_all(target - 1, chunk_budget)
+            if self.loops == loops:
+                self.given_up.add(candidates[0])
+        estimate = estimate_memory(self.graph)
+        self.records.append(RewriteRecord(
+            self.pass_name, "MemoryBudget", "unsplit", (estimate.peak_node or "",),
+            "the static peak stays over the budget: nothing left there can be split",
+            {"peak_bytes": estimate.peak_bytes, "budget_bytes": budget}))
 
 
 def _largest_oversized(graph: Graph, threshold: int, skip: set[TensorRef]) -> TensorRef | None:

@@ -213,3 +213,25 @@ def test_random_graphs_split_equals_unsplit(ops: list[int], sink: int, n: int, m
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     else:
         assert _relative_error(got, want) <= 1e-10
+
+
+def test_memory_budget_splits_tensors_under_the_threshold(rng: np.random.Generator) -> None:
+    def fn(x, y):
+        t = x @ tf.transpose(y)  # [n, m], with three more like it live at once below
+        return tf.reduce_sum(tf.exp(t) * tf.sin(t) + tf.cos(t), axis=1)
+
+    n, m = 600, 500
+    x, y = tf.constant(rng.normal(size=(n, 3)) / 3), tf.constant(rng.normal(size=(m, 3)) / 3)
+    one = n * m * 8
+    no_budget = tfmem.TfmemFunction(fn, config=split_config(2 * one), lint=True)
+    assert not any(r.status == "split" for r in no_budget.report(x, y).records)
+    assert no_budget.report(x, y).memory_after.peak_bytes > 2 * one
+    budget = Config(tensor_size_threshold=2 * one, memory_budget=one, strict=True)
+    wrapped = tfmem.TfmemFunction(fn, config=budget, lint=True)
+    report = wrapped.report(x, y)
+    assert any(r.status == "split" for r in report.records)
+    fits = [r for r in report.records if r.rule == "MemoryBudget"]
+    (fit,) = fits
+    assert fit.status == "info" and fit.details["peak_bytes"] <= one
+    assert report.memory_after.peak_bytes <= one
+    assert _relative_error(wrapped(x, y), fn(x, y)) <= 1e-12

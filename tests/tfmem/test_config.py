@@ -47,6 +47,8 @@ def test_parse_size_units(text: object, expected: int | None) -> None:
     ({"tensor_size_threshold": float("inf")}, "tensor_size_threshold"),
     ({"tensor_size_threshold": "1GB", "tensor_split_size": "2GB"}, "tensor_split_size"),
     ({"tensor_split_size": "1MB"}, "tensor_split_size"),
+    ({"memory_budget": "1GB"}, "memory_budget"),
+    ({"tensor_size_threshold": "1GB", "memory_budget": "lots"}, "memory_budget"),
     ({"tensor_size_treshold": "1GB"}, "tensor_size_treshold"),
     ({"passes": ["cleanup", "fold_everything"]}, "passes"),
     ({"passes": 3}, "passes"),
