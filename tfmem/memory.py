@@ -111,10 +111,11 @@ class _Estimator:
         for name in order:
             node = graph.node(name)
             inputs = graph.inputs(name)
+            passed = loop_passthrough(graph, name)
             for index in range(len(graph.output_specs(name))):
                 ref = TensorRef(name, index)
-                if node.op in ALIASING_OPS and inputs:
-                    source = inputs[index] if node.op == "IdentityN" else inputs[0]
+                if node.op in ALIASING_OPS and inputs or index in passed:
+                    source = inputs[passed.get(index, index if node.op == "IdentityN" else 0)]
                     buffer_of[ref] = buffer_of[source]
                     continue
                 buffer_of[ref] = ref
@@ -187,6 +188,31 @@ class _Estimator:
             except Exception as err:  # the estimate must never break the pipeline
                 logger.debug("cannot estimate function %s: %s", function_name, err)
         return self._function_cache[key]
+
+
+def loop_passthrough(graph: Graph, name: str) -> dict[int, int]:
+    """Outputs of a `While` node that are its inputs handed through unchanged: index → index.
+
+    A loop's invariants (e.g. captured tensors) are loop variables its body returns as
+    they came; the loop's outputs then share their buffers and allocate nothing.
+    """
+    node = graph.node(name)
+    if node.op not in ("While", "StatelessWhile") or graph.function(node.attr["body"].func.name) is None:
+        return {}
+    body = graph.function(node.attr["body"].func.name)
+    args = {arg.name: i for i, arg in enumerate(body.signature.input_arg)}
+    nodes = {n.name: n for n in body.node_def}
+    passed = {}
+    for index, out in enumerate(body.signature.output_arg):
+        source = body.ret[out.name]
+        while source not in args:  # follow Identity chains back to an argument
+            producer = nodes.get(source.split(":")[0])
+            if producer is None or producer.op != "Identity":
+                break
+            source = producer.input[0]
+        if args.get(source) == index:
+            passed[index] = index
+    return passed
 
 
 def function_graph(graph: Graph, function_name: str,

@@ -155,6 +155,10 @@ def _best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int)
         if seed not in region.axes or TensorRef(seed.node) not in region.axes and seed.node not in region.nodes:
             reasons.append(f"axis {axis}: the seed could not stay in its region")
             continue
+        if region.per_unit_bytes(graph) > split_size:
+            reasons.append(f"axis {axis}: a single slice is {region.per_unit_bytes(graph)} bytes, over the "
+                           f"split size {split_size} (splitting two axes at once is not supported)")
+            continue
         oversized_out = [r for r in region.write_outs(graph) if (graph.nbytes(r) or 0) > threshold]
         if seed in oversized_out:
             why = region.boundaries.get(seed, "a reader needs it whole")
@@ -162,7 +166,9 @@ def _best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int)
             continue
         eliminated = sum(1 for r in region.axes if r.node in region.nodes and r not in oversized_out
                          and (graph.nbytes(r) or 0) > threshold)
-        score = (-len(oversized_out), eliminated, -len(region.nodes))
+        # Merging candidates (top-k, arg-max) costs a sort per chunk; sums are nearly free.
+        merges = sum(1 for kind in region.sinks.values() if kind in ("topk", "argmax", "argmin"))
+        score = (-len(oversized_out), eliminated, -merges, -len(region.nodes))
         if best_score is None or score > best_score:
             best, best_score = region, score
     if best is None:

@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tfmem
-from tfmem import Graph, estimate_memory, run_isolated, xla_planned_bytes
+from tfmem import Graph, TensorRef, estimate_memory, run_isolated, xla_planned_bytes
+from tfmem.memory import loop_passthrough
 
 
 def graph_of(fn, *specs) -> Graph:
@@ -98,3 +99,16 @@ def test_isolated_run_reports_errors_and_rejects_unimportable_targets() -> None:
         run_isolated("no_colon")
     with pytest.raises(ValueError, match="importable"):
         run_isolated(lambda: 1)
+
+
+def test_loop_invariants_handed_back_allocate_nothing() -> None:
+    def fn(x, big):
+        # `big` is captured by the body, so the While takes it as a loop variable and returns it.
+        return tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a + tf.reduce_sum(big)), (0, x))[1]
+
+    graph = graph_of(fn, tf.TensorSpec([], tf.float32), tf.TensorSpec([1000], tf.float32))
+    (loop,) = list(graph.find(("While", "StatelessWhile")))
+    passed = loop_passthrough(graph, loop.name)
+    assert any(graph.spec(TensorRef(loop.name, i)).shape == [1000] for i in passed)
+    # big (4000 B) is counted once, as an input, not again as the loop's output.
+    assert estimate_memory(graph).peak_bytes < 2 * 4000
