@@ -32,6 +32,9 @@ import tensorflow as tf
 import tfmem
 
 METHODS = ("tf", "xla", "tfmem", "chunked")
+# Peers outside TensorFlow, for the kNN cases; they allocate with numpy, so the allocator
+# limit does not bind them and the harness compares their resident memory with the budget.
+PEERS = ("sklearn", "faiss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +187,47 @@ CASES: dict[str, Case] = {c.name: c for c in [
 ]}
 
 
+def _knn_peer(method: str, queries: tf.Tensor, data: tf.Tensor, k: int = 10) -> Callable[[], Any]:
+    """A kNN peer on the same inputs: scikit-learn's chunked distances, or faiss's exact search."""
+    q, x = np.ascontiguousarray(queries.numpy()), np.ascontiguousarray(data.numpy())
+    if method == "sklearn":
+        from sklearn.metrics import pairwise_distances_chunked
+
+        def reduce(chunk: np.ndarray, start: int) -> np.ndarray:
+            del start
+            top = np.argpartition(chunk, k, axis=1)[:, :k]
+            order = np.argsort(np.take_along_axis(chunk, top, 1), axis=1)
+            return np.take_along_axis(top, order, 1)
+
+        # working_memory (MiB) bounds each chunk of the [q, n] distance matrix.
+        return lambda: np.concatenate(list(pairwise_distances_chunked(
+            q, x, reduce_func=reduce, metric="sqeuclidean", working_memory=64)))
+    import faiss
+
+    if q.dtype != np.float32:  # faiss only searches float32
+        q, x = q.astype(np.float32), x.astype(np.float32)
+    index = faiss.IndexFlatL2(x.shape[1])
+    index.add(x)
+    return lambda: index.search(q, k)[1]
+
+
+def _run_peer(case: str, method: str, size: int, repeats: int) -> dict[str, Any]:
+    if not case.startswith("knn"):
+        raise NotImplementedError(f"no {method} peer for {case}")
+    _, (queries, data), _ = CASES[case].build(size)
+    runner = _knn_peer(method, queries, data)
+    start = time.perf_counter()
+    value = runner()
+    first_call = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner()
+        times.append(time.perf_counter() - start)
+    return {"first_call_s": first_call, "step_s": statistics.median(times) if times else None,
+            "digest": _digest(value), "rss_only": True}
+
+
 def _digest(value: Any) -> list[float]:
     """A small fingerprint of a result: the float64 sum and the first entries of each output."""
     digest = []
@@ -195,12 +239,20 @@ def _digest(value: Any) -> list[float]:
 
 
 def run_trial(case: str, method: str, size: int, *, threshold: str | int | None = "64MB",
-              repeats: int = 3, planned: bool = True) -> dict[str, Any]:
+              repeats: int = 3, planned: bool = True, outer_gradient: bool = False,
+              keep_value: bool = False) -> dict[str, Any]:
     """Runs one case at one size with one method; returns timings, XLA plan and a digest.
+
+    Args:
+        outer_gradient: also differentiate Σ output² w.r.t. the first argument, with a
+            tape *outside* the method's function (tfmem's backward is then its own rewrite).
+        keep_value: return the result itself (as numpy) under "value", for exact checks.
 
     Raises whatever the method raises (an out-of-memory is a ResourceExhaustedError,
     which `run_isolated` reports as status "oom").
     """
+    if method in PEERS:
+        return _run_peer(case, method, size, repeats)
     fn, args, chunked = CASES[case].build(size)
     if method == "tf":
         runner = tf.function(fn)
@@ -214,17 +266,28 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
         runner = chunked
     else:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    def call() -> Any:
+        if not outer_gradient:
+            return runner(*args)
+        with tf.GradientTape() as tape:
+            tape.watch(args[0])
+            out = runner(*args)
+            loss = tf.reduce_sum(out ** 2)
+        return out, tape.gradient(loss, args[0])
+
     start = time.perf_counter()
-    value = runner(*args)
+    value = call()
     _digest(value)  # waits for the result
     first_call = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _digest(runner(*args))
+        _digest(call())
         times.append(time.perf_counter() - start)
     result: dict[str, Any] = {"first_call_s": first_call, "step_s": statistics.median(times) if times else None,
                               "digest": _digest(value)}
+    if keep_value:
+        result["value"] = tf.nest.map_structure(lambda t: np.asarray(t), value)
     if planned and method in ("xla", "tfmem", "chunked"):
         result["xla_planned_bytes"] = tfmem.xla_planned_bytes(runner, *args)
     if method == "tfmem":

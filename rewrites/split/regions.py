@@ -99,6 +99,7 @@ class _Grower:
         members: dict[str, DimClass] = {}
         sinks: dict[str, str] = {}
         boundaries: dict[TensorRef, str] = {}
+        whole: set[TensorRef] = set()  # inputs some region node reads unsplit
         pending: list[str] = []
 
         def try_add(name: str, via: TensorRef, via_axis: int) -> str | None:
@@ -115,14 +116,24 @@ class _Grower:
             for ref, ref_axis in dim_class.members:
                 if axes.get(ref, ref_axis) != ref_axis:
                     return f"{ref} would be split along two axes"
+                if ref in whole:
+                    return f"{ref} is read whole by another node of the region"
+            split_here = dict(dim_class.members)
             for ref in graph.inputs(name):
-                if ref.node in members and ref not in dict(dim_class.members):
-                    return f"{node.op} reads region tensor {ref} whole"
+                # Every reader in the loop sees the same chunk of a split tensor, so a node
+                # cannot read one tensor both split and whole (e.g. x in x @ xᵀ split by rows).
+                if ref in split_here:
+                    roles = sum(1 for c in classes if (ref, split_here[ref]) in c.members)
+                    if roles > 1:
+                        return f"{node.op} reads {ref} in two roles that split differently"
+                elif ref in axes:
+                    return f"{node.op} reads split tensor {ref} whole"
             for consumer in graph.node_consumers(name):
                 if f"^{name}" in graph.node(consumer).input:
                     return f"{name} has control dependants"
             members[name] = dim_class
             axes.update(dim_class.members)
+            whole.update(ref for ref in graph.inputs(name) if ref not in split_here)
             if dim_class.combine is not None:
                 sinks[name] = dim_class.combine
             pending.append(name)
