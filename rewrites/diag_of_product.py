@@ -54,8 +54,8 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from rewrites.matmul_chain import (PRODUCT_FLAGS, REAL_DTYPES, ChainCost, ChainPlanner, Factor,
-                                   MatMulChain, Tree, chain_problem, combine_peak, describe_tree,
-                                   emit_tree, extract_chain, factor_shapes, peel_transposes,
+                                   MatMulChain, Tree, combine_peak, describe_tree,
+                                   emit_tree, extract_chain, factor_shapes, peel_transposes, rewritable_shapes,
                                    splice_factors)
 from tfmem.config import Config, format_size
 from tfmem.graph import Graph, TensorRef
@@ -175,12 +175,9 @@ class ContractDiagOfProduct(GraphPass):
                                           f"{', '.join(users[:3]) or 'a control edge'}: it is "
                                           f"materialised anyway, so contracting saves nothing")
         chain = extract_chain(graph, source.node, flipped=flipped)
-        reason = chain_problem(graph, chain)
-        shapes = factor_shapes(graph, chain.factors)
-        if reason is None and isinstance(shapes, str):
-            reason = shapes
-        if reason is not None:
-            return self._reject(node, reason)
+        shapes = rewritable_shapes(graph, chain)
+        if isinstance(shapes, str):
+            return self._reject(node, shapes)
         itemsize = graph.spec(source).dtype.size
         planner = ChainPlanner(shapes, itemsize)
         out_bytes = graph.nbytes(TensorRef(node.name)) or 0

@@ -430,6 +430,12 @@ def chain_problem(graph: Graph, chain: MatMulChain) -> str | None:
     return None
 
 
+def rewritable_shapes(graph: Graph, chain: MatMulChain) -> list[tuple[int, ...]] | str:
+    """The chain's factor shapes, or why the chain cannot be rewritten (dtype, control, shape)."""
+    problem = chain_problem(graph, chain)
+    return problem if problem is not None else factor_shapes(graph, chain.factors)
+
+
 def splice_factors(graph: Graph, factors: Sequence[Factor],
                    build: Callable[[Callable[[int], tf.Tensor]], Any], scope: str) -> list[TensorRef]:
     """`Graph.splice` over the distinct tensors of `factors`; `build` gets factor index → value."""
@@ -495,12 +501,9 @@ class ReorderMatMulChain(GraphPass):
         blocked = self._blocked_reason(graph, chain, crossed) if chain.shared else None
         if len(chain.factors) < 3:
             return self._reject(chain, blocked) if blocked else None
-        problem = chain_problem(graph, chain)
-        shapes = factor_shapes(graph, chain.factors)
-        if problem is None and isinstance(shapes, str):
-            problem = shapes
-        if problem is not None:
-            return self._reject(chain, problem)
+        shapes = rewritable_shapes(graph, chain)
+        if isinstance(shapes, str):
+            return self._reject(chain, shapes)
         planner = ChainPlanner(shapes, graph.spec(TensorRef(chain.root)).dtype.size)
         before = planner.cost(chain.tree)
         tree, after = planner.best()

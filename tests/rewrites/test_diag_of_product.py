@@ -9,6 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from tfmem.testing import assert_close
+from tfmem.testing import random_inputs as inputs
 from rewrites.diag_of_product import ContractDiagOfProduct, ScaleByDiagonal
 from rewrites.matmul_chain import ReorderMatMulChain
 from tfmem.graph import Graph, TensorRef
@@ -35,15 +37,6 @@ def largest_tensor(graph: Graph) -> int:
                 if n.op not in ("Placeholder", "Const") and graph.output_specs(n.name)), default=0)
 
 
-def inputs(rng: np.random.Generator, shapes: Sequence[Sequence[int]], dtype: tf.DType) -> list[tf.Tensor]:
-    return [tf.constant(rng.normal(size=s), dtype) for s in shapes]
-
-
-def assert_close(got: Any, want: Any, dtype: tf.DType) -> None:
-    rtol = 1e-4 if dtype == tf.float32 else 1e-10
-    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
-        w = np.asarray(w)
-        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * max(1.0, np.abs(w).max()))
 
 
 def with_gradient(fn: Callable[..., tf.Tensor]) -> Callable[..., Any]:

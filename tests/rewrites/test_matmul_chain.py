@@ -11,6 +11,8 @@ import tensorflow as tf
 from hypothesis import HealthCheck, given, settings
 
 import tfmem
+from tfmem.testing import assert_close
+from tfmem.testing import random_inputs as inputs
 from rewrites.matmul_chain import ChainPlanner, ReorderMatMulChain, extract_chain
 from tfmem.graph import Graph, TensorRef
 
@@ -34,12 +36,6 @@ def largest_product(graph: Graph) -> int:
     """Elements of the largest product in a graph."""
     return max(graph.spec(TensorRef(n.name)).shape.num_elements() for n in graph.find(PRODUCT_OPS))
 
-
-def assert_close(got: Any, want: Any, dtype: tf.DType) -> None:
-    rtol = 1e-4 if dtype == tf.float32 else 1e-10
-    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
-        w = np.asarray(w)
-        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * max(1.0, np.abs(w).max()))
 
 
 def with_gradient(fn: Callable[..., tf.Tensor]) -> Callable[..., Any]:
@@ -76,9 +72,6 @@ CHAINS: dict[str, tuple[Callable[..., tf.Tensor], list[list[int]], str]] = {
                "(a @ (b @ MatVec/ExpandDims))"),
 }
 
-
-def inputs(rng: np.random.Generator, shapes: Sequence[Sequence[int]], dtype: tf.DType) -> list[tf.Tensor]:
-    return [tf.constant(rng.normal(size=s), dtype) for s in shapes]
 
 
 @pytest.mark.parametrize("name", sorted(CHAINS))
