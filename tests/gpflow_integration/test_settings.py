@@ -1,0 +1,95 @@
+"""The bundled configs parse, every key is documented, and bad files say what is wrong."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tfmem
+from gpflow_integration.settings import CompareSettings, load_settings, read_sections
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["sgpr.yaml", "low-memory.yaml"])
+def test_bundled_configs_load(name):
+    settings, config = load_settings(CONFIGS / name)
+    assert isinstance(config, tfmem.Config)
+    assert settings.model == "sgpr"
+    sections = yaml.safe_load((CONFIGS / name).read_text())
+    assert set(sections["tfmem"]) <= set(tfmem.Config.keys())
+    assert set(sections["compare"]) - {"quick"} <= set(CompareSettings.keys())
+
+
+@pytest.mark.parametrize("name", ["sgpr.yaml", "low-memory.yaml"])
+def test_every_key_has_a_comment(name):
+    lines = (CONFIGS / name).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*[a-z_]+:", line) and not re.match(r"^(compare|tfmem):", line):
+            above = next((prev.strip() for prev in reversed(lines[:i]) if prev.strip()), "")
+            assert above.startswith("#") or "#" in line or _in_quick_block(lines, i), \
+                f"{name}:{i + 1}: key without a comment: {line.strip()}"
+
+
+def _in_quick_block(lines: list[str], index: int) -> bool:
+    """Keys of `compare.quick` are documented by the comment above `quick:`."""
+    for prev in reversed(lines[:index]):
+        if re.match(r"^\s{2}quick:", prev):
+            return True
+        if re.match(r"^\s{0,2}[a-z_]+:", prev):
+            return False
+    return False
+
+
+def test_quick_overrides_and_flags():
+    settings, _ = load_settings(CONFIGS / "sgpr.yaml", quick=True, overrides={"memory_budget": "64MiB"})
+    assert settings.dataset == "synthetic"
+    assert settings.memory_budget == 64 * 2**20
+
+
+def test_flat_tfmem_file_is_a_tfmem_section(tmp_path):
+    path = tmp_path / "flat.yaml"
+    path.write_text("tensor_size_threshold: 1GB\njit_compile: false\n")
+    settings, config = load_settings(path)
+    assert config.tensor_size_threshold == 10**9 and not config.jit_compile
+    assert settings == CompareSettings()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("compare:\n  modle: sgpr\n", "unknown key.*'modle'"),
+    ("compare:\n  model: gpr\n", "model not supported"),
+    ("tfmem:\n  tensor_size_threshold: lots\n", "section 'tfmem'.*cannot parse size"),
+    ("tfmem:\n  threshold: 1GB\n", "unknown config key"),
+    ("compare: {}\nextra: 1\n", "unknown top-level key"),
+    ("compare:\n  inducing_points: [400, 200]\n", "increasing"),
+    ("compare:\n  memory_budget: 0\n", "budget is required"),
+    ("compare: [\n", "not valid YAML"),
+    ("- 1\n- 2\n", "mapping at the top level"),
+])
+def test_bad_files_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_settings(path)
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_sections(tmp_path / "missing.yaml")
+
+
+def test_settings_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CompareSettings().model = "gpr"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["sgpr.yaml", "low-memory.yaml"])
+def test_wrappers_take_the_tfmem_section_of_a_config_file(name):
+    from gpflow_integration import Scipy
+
+    _, config = load_settings(CONFIGS / name)
+    assert Scipy(config=CONFIGS / name).config == config
+    assert Scipy(config=str(CONFIGS / name)).config == config
