@@ -12,26 +12,41 @@ Example:
 """
 from __future__ import annotations
 
+import importlib as _importlib
 import logging as _logging
+from typing import Any as _Any
 
-from tfmem.capture import UnsupportedFunction
-from tfmem.config import PASS_STAGES, Config, active_config, config_scope, define_flags, format_size, parse_size
-from tfmem.graph import Graph, GraphError, TensorRef
-from tfmem.isolation import IsolatedResult, run_isolated
-from tfmem.memory import LiveTensor, MemoryEstimate, estimate_memory, xla_planned_bytes
-from tfmem.passes import GraphPass, PassError, PassManager, PassResult, PipelineResult, RewriteRecord
-from tfmem.pattern import Match, Pattern, RewriteRule, RuleSet
-from tfmem.report import Report
-from tfmem.wrapper import TfmemError, TfmemFunction, explain, function
+# Public name → the module that defines it. Loaded on first use, so that `import tfmem`
+# (and the `tfmem` command, which must set TensorFlow's log level first) does not pull
+# in TensorFlow before it is needed.
+_EXPORTS = {
+    "UnsupportedFunction": "capture",
+    **dict.fromkeys(["PASS_STAGES", "Config", "active_config", "config_scope", "define_flags", "format_size",
+                     "parse_size"], "config"),
+    **dict.fromkeys(["Graph", "GraphError", "TensorRef"], "graph"),
+    **dict.fromkeys(["IsolatedResult", "run_isolated"], "isolation"),
+    **dict.fromkeys(["LiveTensor", "MemoryEstimate", "estimate_memory", "xla_planned_bytes"], "memory"),
+    **dict.fromkeys(["GraphPass", "PassError", "PassManager", "PassResult", "PipelineResult", "RewriteRecord"],
+                    "passes"),
+    **dict.fromkeys(["Match", "Pattern", "RewriteRule", "RuleSet"], "pattern"),
+    "Report": "report",
+    **dict.fromkeys(["TfmemError", "TfmemFunction", "explain", "function"], "wrapper"),
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tfmem' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"tfmem.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = [
-    "PASS_STAGES", "Config", "Graph", "GraphError", "GraphPass", "IsolatedResult", "LiveTensor",
-    "MemoryEstimate", "PassError", "PassManager", "PassResult", "PipelineResult", "Report",
-    "RewriteRecord", "TensorRef", "TfmemError", "TfmemFunction", "UnsupportedFunction",
-    "active_config", "config_scope", "define_flags", "estimate_memory", "explain", "format_size",
-    "function", "parse_size", "run_isolated", "xla_planned_bytes",
-    "Match", "Pattern", "RewriteRule", "RuleSet",
-]
+__all__ = sorted(_EXPORTS)

@@ -14,7 +14,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 import sys
+
+# Before anything imports TensorFlow: keep its C++ start-up chatter out of the output.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from collections.abc import Callable, Sequence
 from typing import Any
 
