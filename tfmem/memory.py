@@ -101,7 +101,7 @@ class _Estimator:
 
     def run(self) -> MemoryEstimate:
         graph = self.graph
-        order = graph.topological_order()
+        order = self._schedule()
         end = len(order)
         step = {name: i for i, name in enumerate(order)}
         buffer_of: dict[TensorRef, TensorRef] = {}
@@ -150,6 +150,42 @@ class _Estimator:
                               live_at_peak=tuple(live_at_peak),
                               unknown=tuple(dict.fromkeys(self.unknown)),
                               nested_peak_bytes=nested[peak_step])
+
+    def _schedule(self) -> list[str]:
+        """A topological order that, like XLA's scheduler, runs whatever frees most first.
+
+        The GraphDef's own order is arbitrary (rewrites append new nodes at the end); a
+        greedy list schedule — among ready nodes, least new bytes minus bytes freed, ties
+        in graph order — is close to how the program really runs.
+        """
+        graph = self.graph
+        base = graph.topological_order()
+        position = {name: i for i, name in enumerate(base)}
+        producers = {n: {r.node for r in graph.inputs(n)} | set(graph.control_inputs(n)) for n in base}
+        readers: dict[str, int] = {n: 0 for n in base}
+        for n in base:
+            for p in producers[n]:
+                readers[p] += 1
+        waiting = {n: len(producers[n]) for n in base}
+        out_bytes = {n: 0 if graph.node(n).op in RESIDENT_OPS | ALIASING_OPS else
+                     sum(self._bytes(TensorRef(n, i)) for i in range(len(graph.output_specs(n))))
+                     for n in base}
+        ready = {n for n in base if waiting[n] == 0}
+        order: list[str] = []
+        while ready:
+            def cost(n: str) -> tuple[int, int]:
+                freed = sum(out_bytes[p] for p in producers[n] if readers[p] == 1)
+                return out_bytes[n] - freed, position[n]
+            name = min(ready, key=cost)
+            ready.remove(name)
+            order.append(name)
+            for p in producers[name]:
+                readers[p] -= 1
+            for consumer in graph.node_consumers(name):
+                waiting[consumer] -= 1
+                if waiting[consumer] == 0:
+                    ready.add(consumer)
+        return order
 
     def _live_tensor(self, ref: TensorRef, nbytes: int) -> LiveTensor:
         spec = self.graph.spec(ref)
