@@ -1,0 +1,63 @@
+"""End-to-end check of the benchmark harness: `--quick` into a temporary directory.
+
+The quick mode runs kernel_matmul under a 64 MiB allocator limit, where an n=4000
+float64 kernel matrix (128 MB) must run out of memory under stock TensorFlow and XLA
+while tfmem (threshold 8MB) runs it; then it times XLA and tfmem and writes the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out_dir = tmp_path_factory.mktemp("quick")
+    out = os.path.join(out_dir, "results.json")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness", "--quick", f"--out={out}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f), str(out_dir)
+
+
+def test_quick_run_detects_oom_and_ok(quick_run: tuple[dict, str]) -> None:
+    data, _ = quick_run
+    statuses = {(t["method"], t["size"]): t["status"] for t in data["trials"]}
+    assert statuses[("tf", 4000)] == "oom"
+    assert statuses[("xla", 4000)] == "oom"
+    assert statuses[("tfmem", 4000)] == "ok"
+    assert all(t["status"] in ("ok", "oom") for t in data["trials"]), data["trials"]
+    tfmem_trial = next(t for t in data["trials"] if (t["method"], t["size"]) == ("tfmem", 4000))
+    assert tfmem_trial["peak_bytes"] < 64 * 2**20
+    assert tfmem_trial["splits"] >= 1
+
+
+def test_quick_run_oom_points_and_ratios(quick_run: tuple[dict, str]) -> None:
+    data, _ = quick_run
+    points = {p["method"]: p for p in data["oom_points"]}
+    assert points["xla"]["stop"] == "oom" and points["xla"]["largest_ok"] == 2000
+    assert points["tfmem"]["label"] == "≥ 4000 (size cap)" and points["tfmem"]["lower_bound"]
+    assert points["tf"]["largest_ok"] is None and points["tf"]["stop"] == "none_ok"
+    (ratio,) = data["ratios"]
+    assert ratio["size_ratio"] == pytest.approx(2.0)
+    assert ratio["memory_units_ratio"] == pytest.approx(4.0)  # n² growth
+    (speed,) = data["speed"]
+    assert speed["ratios"]["tfmem/xla"] > 0
+
+
+def test_quick_run_writes_report(quick_run: tuple[dict, str]) -> None:
+    _, out_dir = quick_run
+    with open(os.path.join(out_dir, "RESULTS.md")) as f:
+        text = f.read()
+    assert "## kernel_matmul" in text and "≥ 4000 (size cap)" in text and "tfmem/xla" in text
+    png = os.path.join(out_dir, "plots", "kernel_matmul.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
