@@ -142,13 +142,9 @@ class CompareSettings:
         Sizes (`memory_budget`) accept bytes or strings such as "512MiB" or "1GB";
         lists accept YAML lists or comma-separated strings.
         """
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: expected a mapping of keys, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(cls.keys()))
-        if unknown:
-            raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"known keys: {', '.join(cls.keys())}")
-        from tfmem.config import parse_size  # late: importing tfmem imports TensorFlow
+        from tfmem.config import check_keys, parse_size
+
+        check_keys(values, cls.keys(), source=source)
 
         normalised: dict[str, Any] = {}
         for key, value in values.items():

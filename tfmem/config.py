@@ -79,6 +79,16 @@ def parse_size(value: Any, *, key: str = "size") -> int | None:
     return size or None
 
 
+def check_keys(values: Any, known: tuple[str, ...], *, source: str) -> None:
+    """Raises ValueError, naming `source`, unless `values` is a mapping of only `known` keys."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{source}: expected a mapping of keys, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"known keys: {', '.join(known)}")
+
+
 def format_size(nbytes: int | None) -> str:
     """Formats bytes with a binary unit for humans: `format_size(3 * 2**20) == '3.0 MiB'`."""
     if nbytes is None:
@@ -208,12 +218,7 @@ class Config:
         Raises:
             ValueError: for an unknown key (naming it and `source`) or a bad value.
         """
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: expected a mapping of config keys, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(cls.keys()))
-        if unknown:
-            raise ValueError(f"{source}: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                             f"known keys: {', '.join(cls.keys())}")
+        check_keys(values, cls.keys(), source=source)
         return dataclasses.replace(base or cls(), **dict(values))
 
     @classmethod
