@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -364,7 +365,9 @@ def write_plots(data: dict[str, Any], directory: str) -> dict[str, str]:
             axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            # Label the 2× and 5× minor ticks too: a range within one decade would otherwise show none.
+            axis.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+                lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
             axis.set_xlabel(size_name)
             axis.grid(True, which="both", alpha=0.3)
         memory_axis.set_ylabel("peak memory (MiB; × = out of memory)")
