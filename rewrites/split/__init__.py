@@ -152,7 +152,7 @@ def _best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int)
         if isinstance(region, str):
             reasons.append(f"axis {axis}: {region}")
             continue
-        if seed not in region.axes or TensorRef(seed.node) not in region.axes and seed.node not in region.nodes:
+        if seed.node not in region.nodes or seed not in region.axes:
             reasons.append(f"axis {axis}: the seed could not stay in its region")
             continue
         if region.per_unit_bytes(graph) > split_size:

@@ -40,17 +40,12 @@ def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: 
     index = {ref: k for k, ref in enumerate(inputs)}
     copied: set[str] = set()
     for name in region.nodes:
-        original = graph.node(name)
-        node = node_def_pb2.NodeDef()
-        node.CopyFrom(original)
-        for attr in _STRIP_ATTRS:
-            if attr in node.attr:
-                del node.attr[attr]
+        node = _copy_for_fragment(graph.node(name), name)
         data_inputs = graph.inputs(name)
         in_axes = {i: region.axes[ref] for i, ref in enumerate(data_inputs) if ref in region.axes}
         out_axis = region.axes.get(TensorRef(name))
         patches = chunk_patches(graph, name, out_axis, chunk, in_axes)
-        del node.input[:]  # control inputs are carried by the loop node instead
+        del node.input[:]  # data inputs are re-added below; regions hold no control edges
         for position, ref in enumerate(data_inputs):
             if position in patches:
                 const = _const_node(f"{name}/tfmem_chunk_{position}", patches[position])
@@ -60,13 +55,8 @@ def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: 
                 # Shape arguments must stay constants, or shape inference loses dimensions.
                 name_in_fragment = _INPUT.format(index[ref]) + "_const"
                 if name_in_fragment not in copied:
-                    const = node_def_pb2.NodeDef()
-                    const.CopyFrom(graph.node(ref.node))
-                    const.name = name_in_fragment
+                    const = _copy_for_fragment(graph.node(ref.node), name_in_fragment)
                     del const.input[:]
-                    for attr in _STRIP_ATTRS:
-                        if attr in const.attr:
-                            del const.attr[attr]
                     fragment.node.append(const)
                     copied.add(name_in_fragment)
                 node.input.append(name_in_fragment)
@@ -76,6 +66,18 @@ def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: 
                 node.input.append(ref.as_input())
         fragment.node.append(node)
     return fragment
+
+
+def _copy_for_fragment(original: node_def_pb2.NodeDef, name: str) -> node_def_pb2.NodeDef:
+    """A copy named `name`, without the attrs that tie it to the big graph (stale shapes,
+    colocation with nodes the fragment does not have)."""
+    node = node_def_pb2.NodeDef()
+    node.CopyFrom(original)
+    node.name = name
+    for attr in _STRIP_ATTRS:
+        if attr in node.attr:
+            del node.attr[attr]
+    return node
 
 
 def _is_small_constant(graph: Graph, ref: TensorRef) -> bool:

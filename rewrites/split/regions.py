@@ -128,6 +128,8 @@ class _Grower:
                         return f"{node.op} reads {ref} in two roles that split differently"
                 elif ref in axes:
                     return f"{node.op} reads split tensor {ref} whole"
+            if graph.control_inputs(name):
+                return f"{name} waits on control inputs, which a loop body cannot keep"
             for consumer in graph.node_consumers(name):
                 if f"^{name}" in graph.node(consumer).input:
                     return f"{name} has control dependants"
