@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -296,9 +297,20 @@ _ACTIVE: contextvars.ContextVar[Config | None] = contextvars.ContextVar("tfmem_c
 
 
 def active_config() -> Config:
-    """The config set by the innermost `config_scope`, else one read from `TFMEM_*` variables."""
+    """The config set by the innermost `config_scope`, else one read from `TFMEM_*` variables.
+
+    Every call of a wrapped function asks for it, so the environment's config is built
+    once per distinct set of `TFMEM_*` values (a `TFMEM_CONFIG` file is read then).
+    """
     config = _ACTIVE.get()
-    return config if config is not None else Config.from_env()
+    if config is not None:
+        return config
+    return _config_from_env(tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIX))))
+
+
+@functools.lru_cache(maxsize=8)
+def _config_from_env(items: tuple[tuple[str, str], ...]) -> Config:
+    return Config.from_env(dict(items))
 
 
 @contextlib.contextmanager
