@@ -379,7 +379,9 @@ class RewriteRule(GraphPass):
             `op.const` its numpy value — and returns the tensor that replaces the root.
         check: `(graph, match) -> reason | None`; a reason rejects the match.
 
-    Subclasses may override `check`, `self_contained` and `apply` instead.
+    Subclasses may override `check`, `self_contained` and `apply` instead; an overriding
+    `check` also sees the run's `Config`, for rules whose payoff depends on it (e.g. on
+    whether XLA compiles the result).
 
     Example:
         >>> rule = RewriteRule("DoubleNegation", lambda op, x: op.Neg(op.Neg(x)),
@@ -405,7 +407,7 @@ class RewriteRule(GraphPass):
     def size(self) -> int:
         return self.pattern.size
 
-    def check(self, graph: Graph, match: Match) -> str | None:
+    def check(self, graph: Graph, match: Match, config: Config) -> str | None:
         """Why the match must not be rewritten, or None to rewrite it."""
         return self._check(graph, match) if self._check is not None else None
 
@@ -460,7 +462,7 @@ class RuleSet(GraphPass):
             for match in list(rule.pattern.matches(graph)):
                 if consumed & set(match.nodes) or any(n not in graph for n in match.nodes):
                     continue  # a larger or earlier match already rewrote these nodes
-                reason = rule.self_contained(graph, match) or rule.check(graph, match)
+                reason = rule.self_contained(graph, match) or rule.check(graph, match, config)
                 if reason:
                     records.append(RewriteRecord(self.name, rule.name, "rejected", match.nodes, reason))
                     logger.debug("%s rejected at %s: %s", rule.name, match.root, reason)

@@ -12,7 +12,7 @@ from rewrites.squared_distance import ExpandSquaredDistance
 from tfmem.capture import capture
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
-from tfmem.memory import estimate_memory
+from tfmem.memory import estimate_memory, xla_planned_bytes
 from tfmem.wrapper import TfmemFunction
 
 PASSES = [ForwardIdentities(), GrapplerCleanup(), ExpandSquaredDistance()]
@@ -180,3 +180,38 @@ def test_rejected_region_leaves_graph_unchanged():
     assert not result.modified
     assert [n.name for n in result.graph.to_graph_def().node] == [n.name for n in before.node]
     assert result.graph.spec(TensorRef("sub")).shape.as_list() == [7, 5, 3]
+
+
+def _forward_records(fn, config, *specs):
+    graph = capture(tf.function(fn).get_concrete_function(*specs)).to_graph()
+    return ExpandSquaredDistance().run(graph, Config.from_mapping(config)).records
+
+
+@pytest.mark.parametrize("form", ["expand_dims_square", "euclidean_norm", "mean_keepdims"])
+def test_forward_only_few_features_stays_naive_under_xla(form):
+    fn = forward_only(FORMS[form])
+    (record,) = _forward_records(fn, {"jit_compile": True}, *SPECS)
+    assert record.status == "rejected"
+    assert "kept naive under jit_compile" in record.reason and "d=3" in record.reason
+    # Without XLA nothing fuses the naive form, so the expansion pays off there.
+    (record,) = _forward_records(fn, {"jit_compile": False}, *SPECS)
+    assert record.status == "fired"
+
+
+def test_forward_only_many_features_still_expands_under_xla():
+    specs = (tf.TensorSpec([7, 16]), tf.TensorSpec([5, 16]))
+    (record,) = _forward_records(forward_only(FORMS["expand_dims_square"]), {"jit_compile": True}, *specs)
+    assert record.status == "fired"
+
+
+def test_kept_naive_distance_is_fused_by_xla(rng):
+    """The reason to keep it: XLA plans no [n, m, d] buffer for the naive forward form."""
+    n, m, d = 400, 300, 3
+    x, y = data(rng, (n, d), (m, d), np.float64)
+    fn = forward_only(lambda a, b: tf.exp(-0.5 * FORMS["expand_dims_square"](a, b)))
+    wrapped = TfmemFunction(fn, config={"strict": True, "jit_compile": True}, passes=PASSES)
+    records = [r for r in wrapped.report(x, y).records if r.rule == "ExpandSquaredDistance"]
+    assert [r.status for r in records] == ["rejected"]
+    planned = xla_planned_bytes(wrapped, x, y)
+    assert planned is not None and planned < n * m * d * 8  # below one [n, m, d] float64 buffer
+    assert_close(wrapped(x, y), tf.function(fn)(x, y), rtol=1e-12)
