@@ -211,7 +211,22 @@ def _knn_peer(method: str, queries: tf.Tensor, data: tf.Tensor, k: int = 10) -> 
     return lambda: index.search(q, k)[1]
 
 
-def _run_peer(case: str, method: str, size: int, repeats: int) -> dict[str, Any]:
+def _time_steps(step: Callable[[], Any], repeats: int, min_seconds: float) -> dict[str, Any]:
+    """Median warm step time over at least `repeats` calls and `min_seconds` of calls.
+
+    A 30 ms step timed 3 times on a shared machine is mostly noise; calling it until a
+    second or two has passed gives the median something to work with. `repeats=0`
+    times nothing (OOM searches only need the first call).
+    """
+    times: list[float] = []
+    while len(times) < repeats or (repeats and sum(times) < min_seconds and len(times) < 1000):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times) if times else None, "steps_timed": len(times)}
+
+
+def _run_peer(case: str, method: str, size: int, repeats: int, min_seconds: float) -> dict[str, Any]:
     if not case.startswith("knn"):
         raise NotImplementedError(f"no {method} peer for {case}")
     _, (queries, data), _ = CASES[case].build(size)
@@ -219,12 +234,7 @@ def _run_peer(case: str, method: str, size: int, repeats: int) -> dict[str, Any]
     start = time.perf_counter()
     value = runner()
     first_call = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner()
-        times.append(time.perf_counter() - start)
-    return {"first_call_s": first_call, "step_s": statistics.median(times) if times else None,
+    return {"first_call_s": first_call, **_time_steps(runner, repeats, min_seconds),
             "digest": _digest(value), "rss_only": True}
 
 
@@ -239,11 +249,13 @@ def _digest(value: Any) -> list[float]:
 
 
 def run_trial(case: str, method: str, size: int, *, threshold: str | int | None = "64MB",
-              repeats: int = 3, planned: bool = True, outer_gradient: bool = False,
-              keep_value: bool = False) -> dict[str, Any]:
+              repeats: int = 3, min_seconds: float = 0.0, planned: bool = True,
+              outer_gradient: bool = False, keep_value: bool = False) -> dict[str, Any]:
     """Runs one case at one size with one method; returns timings, XLA plan and a digest.
 
     Args:
+        repeats, min_seconds: warm calls to time: at least `repeats`, and more until
+            `min_seconds` have passed (the step time is their median).
         outer_gradient: also differentiate Σ output² w.r.t. the first argument, with a
             tape *outside* the method's function (tfmem's backward is then its own rewrite).
         keep_value: return the result itself (as numpy) under "value", for exact checks.
@@ -252,7 +264,7 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
     which `run_isolated` reports as status "oom").
     """
     if method in PEERS:
-        return _run_peer(case, method, size, repeats)
+        return _run_peer(case, method, size, repeats, min_seconds)
     fn, args, chunked = CASES[case].build(size)
     if method == "tf":
         runner = tf.function(fn)
@@ -279,12 +291,8 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
     value = call()
     _digest(value)  # waits for the result
     first_call = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _digest(call())
-        times.append(time.perf_counter() - start)
-    result: dict[str, Any] = {"first_call_s": first_call, "step_s": statistics.median(times) if times else None,
+    result: dict[str, Any] = {"first_call_s": first_call,
+                              **_time_steps(lambda: _digest(call()), repeats, min_seconds),
                               "digest": _digest(value)}
     if keep_value:
         result["value"] = tf.nest.map_structure(lambda t: np.asarray(t), value)

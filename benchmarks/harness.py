@@ -117,6 +117,7 @@ class Settings:
     bisect_steps: int = 2
     search_repeats: int = 1
     speed_repeats: int = 3
+    speed_min_seconds: float = 0.0  # and keep timing warm calls until this much time has passed
     jobs: int = 1
     parallel_speed: bool = False  # run speed trials `jobs` at a time too (only for the quick check)
 
@@ -187,7 +188,7 @@ FULL_PLANS = (
              speed_sizes=(100000, 400000), methods=("tf", "xla", "tfmem")),
 )
 FULL_SETTINGS = Settings(time_cap_s=240.0, growth_factor=2.0, bisect_steps=2, search_repeats=0,
-                         speed_repeats=3, jobs=2)
+                         speed_repeats=3, speed_min_seconds=2.0, jobs=2)
 
 # The quick check: a 64 MiB budget that an n=4000 float64 kernel matrix (128 MB) must
 # exceed under stock TF and XLA, while tfmem with an 8MB threshold runs it.
@@ -227,7 +228,7 @@ class TrialLog:
     @staticmethod
     def key(trial: dict[str, Any]) -> str:
         return json.dumps([trial["case"], trial["method"], trial["size"], trial["budget_mb"],
-                           trial["threshold"], trial["repeats"]])
+                           trial["threshold"], trial["repeats"], trial.get("min_seconds", 0.0)])
 
     def add(self, trial: dict[str, Any]) -> None:
         with self.lock:
@@ -259,9 +260,10 @@ class Runner:
               purpose: str, time_cap: float | None = None) -> dict[str, Any]:
         from tfmem import run_isolated
 
+        min_seconds = self.settings.speed_min_seconds if purpose == "speed" else 0.0
         record: dict[str, Any] = {"case": case, "method": method, "size": int(size),
                                   "budget_mb": budget.memory_mb, "threshold": budget.threshold,
-                                  "repeats": repeats}
+                                  "repeats": repeats, "min_seconds": min_seconds}
         time_cap = time_cap or self.settings.time_cap_s
         cached = self.log.previous.get(TrialLog.key(record))
         # A trial stopped by the clock is only worth reusing if the cap has not grown since.
@@ -273,7 +275,8 @@ class Runner:
         record["time_cap_s"] = time_cap
         start = time.perf_counter()
         result = run_isolated(TRIAL_TARGET, case, method, int(size), threshold=budget.threshold,
-                              repeats=repeats, planned=True, memory_limit_mb=budget.memory_mb,
+                              repeats=repeats, min_seconds=min_seconds, planned=True,
+                              memory_limit_mb=budget.memory_mb,
                               timeout=time_cap)
         value = result.value if isinstance(result.value, dict) else {}
         record.update(
@@ -282,6 +285,7 @@ class Runner:
             baseline_rss_bytes=result.baseline_rss_bytes, call_s=result.seconds,
             wall_s=time.perf_counter() - start,
             first_call_s=value.get("first_call_s"), step_s=value.get("step_s"),
+            steps_timed=value.get("steps_timed"),
             xla_planned_bytes=value.get("xla_planned_bytes"), tfmem_status=value.get("status"),
             splits=value.get("splits"), digest=value.get("digest"))
         if result.status == "ok" and value.get("rss_only"):

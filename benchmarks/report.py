@@ -148,7 +148,8 @@ def render_markdown(data: dict[str, Any], plot_paths: dict[str, str]) -> str:
              + ", ".join(f"{b['memory_mb']} MiB → {b['threshold']}" for b in meta["budgets"]),
              f"- Search: ×{settings['growth_factor']:g} growth, {settings['bisect_steps']} bisection steps, "
              f"time cap {settings['time_cap_s']:g} s per trial (process start, build, compile, calls); "
-             f"speed = median of {settings['speed_repeats']} warm calls"
+             f"speed = median of ≥ {settings['speed_repeats']} warm calls"
+             + (f" and ≥ {settings['speed_min_seconds']:g} s of them" if settings.get("speed_min_seconds") else "")
              + "".join(f"; time cap {p['time_cap_s']:g} s for {p['case']}" for p in meta.get("plans", [])
                        if p.get("time_cap_s")), "",
              "## How to read this", "",
@@ -172,7 +173,7 @@ def render_markdown(data: dict[str, Any], plot_paths: dict[str, str]) -> str:
     rows = summary_rows(data)
     lines += ["## Summary", "",
               "Speed verdicts use the largest size where all methods ran (the last one listed). Timings "
-              "are medians of a few calls on a shared 2-core machine; the same configuration measured "
+              "are medians of warm calls on a shared 2-core machine; the same configuration measured "
               "twice can differ by tens of percent, so ratios near a target are not conclusive.", "",
               "| case | budget | stock XLA OOM point | tfmem OOM point | OOM ratio (size) | OOM ratio (memory units) "
               "| tfmem/xla time | tfmem/chunked time | targets |",

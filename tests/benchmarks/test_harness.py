@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,3 +62,13 @@ def test_quick_run_writes_report(quick_run: tuple[dict, str]) -> None:
     png = os.path.join(out_dir, "plots", "kernel_matmul.png")
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_timing_keeps_calling_until_min_seconds() -> None:
+    from benchmarks.cases import _time_steps
+
+    calls = []
+    timed = _time_steps(lambda: (calls.append(1), time.sleep(0.01)), repeats=3, min_seconds=0.1)
+    assert timed["steps_timed"] == len(calls) >= 8  # 3 calls would be 0.03 s: it went on
+    assert 0.009 < timed["step_s"] < 0.1
+    assert _time_steps(lambda: calls.append(1), repeats=0, min_seconds=5.0) == {"step_s": None, "steps_timed": 0}
