@@ -9,7 +9,8 @@ A *case* builds a function and its inputs for a problem size; a *method* runs it
 
 `run_trial(case, method, size, ...)` is what `tfmem.run_isolated` calls in a fresh
 process under a memory limit; it returns timings and a small digest of the result so
-that methods can be checked against each other.
+that methods can be checked against each other. `run_speed(case, size, methods, ...)`
+times several methods in one process, interleaved, for speed ratios.
 
 Example:
     >>> run_isolated("benchmarks.cases:run_trial", "kernel_matmul", "tfmem", 20000,
@@ -21,7 +22,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -211,12 +212,10 @@ def _knn_peer(method: str, queries: tf.Tensor, data: tf.Tensor, k: int = 10) -> 
     return lambda: index.search(q, k)[1]
 
 
-def _time_steps(step: Callable[[], Any], repeats: int, min_seconds: float) -> dict[str, Any]:
+def _time_steps(step: Callable[[], Any], repeats: int, min_seconds: float = 0.0) -> dict[str, Any]:
     """Median warm step time over at least `repeats` calls and `min_seconds` of calls.
 
-    A 30 ms step timed 3 times on a shared machine is mostly noise; calling it until a
-    second or two has passed gives the median something to work with. `repeats=0`
-    times nothing (OOM searches only need the first call).
+    `repeats=0` times nothing (OOM searches only need the first call).
     """
     times: list[float] = []
     while len(times) < repeats or (repeats and sum(times) < min_seconds and len(times) < 1000):
@@ -224,18 +223,6 @@ def _time_steps(step: Callable[[], Any], repeats: int, min_seconds: float) -> di
         step()
         times.append(time.perf_counter() - start)
     return {"step_s": statistics.median(times) if times else None, "steps_timed": len(times)}
-
-
-def _run_peer(case: str, method: str, size: int, repeats: int, min_seconds: float) -> dict[str, Any]:
-    if not case.startswith("knn"):
-        raise NotImplementedError(f"no {method} peer for {case}")
-    _, (queries, data), _ = CASES[case].build(size)
-    runner = _knn_peer(method, queries, data)
-    start = time.perf_counter()
-    value = runner()
-    first_call = time.perf_counter() - start
-    return {"first_call_s": first_call, **_time_steps(runner, repeats, min_seconds),
-            "digest": _digest(value), "rss_only": True}
 
 
 def _digest(value: Any) -> list[float]:
@@ -246,6 +233,52 @@ def _digest(value: Any) -> list[float]:
         digest.append(float(array.sum()))
         digest.extend(array.ravel()[:3].tolist())
     return digest
+
+
+def _method_step(case: str, method: str, size: int, threshold: str | int | None,
+                 outer_gradient: bool = False) -> tuple[Callable[[], Any], Any, tuple[Any, ...]]:
+    """One call of `case` at `size` by `method`: (call, the method's function, its inputs).
+
+    With `outer_gradient`, the call also differentiates Σ output² w.r.t. the first input
+    with a tape *outside* the method's function (tfmem's backward is then its own rewrite).
+    """
+    if method in PEERS:
+        if not case.startswith("knn"):
+            raise NotImplementedError(f"no {method} peer for {case}")
+        _, (queries, data), _ = CASES[case].build(size)
+        peer = _knn_peer(method, queries, data)
+        return peer, peer, (queries, data)
+    fn, args, chunked = CASES[case].build(size)
+    if method == "tf":
+        runner = tf.function(fn)
+    elif method == "xla":
+        runner = tf.function(fn, jit_compile=True)
+    elif method == "tfmem":
+        runner = tfmem.function(fn, config=tfmem.Config(tensor_size_threshold=threshold))
+    elif method == "chunked":
+        if chunked is None:
+            raise NotImplementedError(f"no hand-chunked version of {case}")
+        runner = chunked
+    else:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS + PEERS)}")
+
+    def call() -> Any:
+        if not outer_gradient:
+            return runner(*args)
+        with tf.GradientTape() as tape:
+            tape.watch(args[0])
+            out = runner(*args)
+            loss = tf.reduce_sum(out ** 2)
+        return out, tape.gradient(loss, args[0])
+
+    return call, runner, args
+
+
+def _first_call(call: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = call()
+    _digest(value)  # waits for the result
+    return value, time.perf_counter() - start
 
 
 def run_trial(case: str, method: str, size: int, *, threshold: str | int | None = "64MB",
@@ -263,37 +296,14 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
     Raises whatever the method raises (an out-of-memory is a ResourceExhaustedError,
     which `run_isolated` reports as status "oom").
     """
-    if method in PEERS:
-        return _run_peer(case, method, size, repeats, min_seconds)
-    fn, args, chunked = CASES[case].build(size)
-    if method == "tf":
-        runner = tf.function(fn)
-    elif method == "xla":
-        runner = tf.function(fn, jit_compile=True)
-    elif method == "tfmem":
-        runner = tfmem.function(fn, config=tfmem.Config(tensor_size_threshold=threshold))
-    elif method == "chunked":
-        if chunked is None:
-            raise NotImplementedError(f"no hand-chunked version of {case}")
-        runner = chunked
-    else:
-        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    def call() -> Any:
-        if not outer_gradient:
-            return runner(*args)
-        with tf.GradientTape() as tape:
-            tape.watch(args[0])
-            out = runner(*args)
-            loss = tf.reduce_sum(out ** 2)
-        return out, tape.gradient(loss, args[0])
-
-    start = time.perf_counter()
-    value = call()
-    _digest(value)  # waits for the result
-    first_call = time.perf_counter() - start
+    call, runner, args = _method_step(case, method, size, threshold, outer_gradient)
+    value, first_call = _first_call(call)
     result: dict[str, Any] = {"first_call_s": first_call,
                               **_time_steps(lambda: _digest(call()), repeats, min_seconds),
                               "digest": _digest(value)}
+    if method in PEERS:
+        result["rss_only"] = True  # numpy allocates outside TensorFlow's allocator
+        return result
     if keep_value:
         result["value"] = tf.nest.map_structure(lambda t: np.asarray(t), value)
     if planned and method in ("xla", "tfmem", "chunked"):
@@ -303,3 +313,49 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
         result["status"] = report.status
         result["splits"] = sum(1 for r in report.records if r.status == "split")
     return result
+
+
+def run_speed(case: str, size: int, methods: Sequence[str], *, threshold: str | int | None = "64MB",
+              repeats: int = 3, min_seconds: float = 2.0) -> dict[str, dict[str, Any]]:
+    """Times several methods of one case in *one* process, interleaved call by call.
+
+    Each method is built and called once (its first call includes tracing, rewriting and
+    compiling); then rounds call every method once, in an order that rotates each round,
+    until every method has `repeats` timed calls and the rounds have lasted
+    `min_seconds` per method. Interleaving puts the machine's slow spells on every
+    method alike, which separate processes timed one after another do not.
+
+    Returns method → {"status": "ok" | "oom" | "error", "error", "first_call_s",
+    "step_s" (median), "steps_timed", "digest"}.
+
+    Example:
+        >>> run_isolated("benchmarks.cases:run_speed", "kernel_matmul", 4000, ["xla", "tfmem"],
+        ...              threshold="32MB", memory_limit_mb=1024)
+    """
+    results: dict[str, dict[str, Any]] = {}
+    calls: dict[str, Callable[[], Any]] = {}
+    for method in methods:
+        try:
+            call, _, _ = _method_step(case, method, size, threshold)
+            value, first_call = _first_call(call)
+        except tf.errors.ResourceExhaustedError as error:
+            results[method] = {"status": "oom", "error": str(error)[:500]}
+            continue
+        except Exception as error:  # noqa: BLE001 — one method failing must not lose the others
+            results[method] = {"status": "error", "error": f"{type(error).__name__}: {error}"[:500]}
+            continue
+        calls[method] = call
+        results[method] = {"status": "ok", "error": None, "first_call_s": first_call, "digest": _digest(value)}
+    times: dict[str, list[float]] = {m: [] for m in calls}
+    order = list(calls)
+    while order and (min(len(t) for t in times.values()) < repeats
+                     or (sum(map(sum, times.values())) < min_seconds * len(order)
+                         and len(times[order[0]]) < 1000)):
+        for method in order:
+            start = time.perf_counter()
+            _digest(calls[method]())
+            times[method].append(time.perf_counter() - start)
+        order = order[1:] + order[:1]
+    for method, samples in times.items():
+        results[method].update(step_s=statistics.median(samples), steps_timed=len(samples))
+    return results

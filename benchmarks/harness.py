@@ -12,8 +12,10 @@ harness searches the *OOM point*, the largest size that still runs:
 
 A trial stopped by the time cap is *not* an out-of-memory: the method's OOM point is
 then reported as "≥ last size that ran (time cap)", and likewise for the size cap.
-After the searches, every method is timed at sizes all of them can run, and the
-step-time ratios against stock XLA (and the hand-chunked version) are computed.
+After the searches, every method is timed at sizes all of them can run — all methods
+of one size in one process, their calls interleaved (`cases.run_speed`), so that the
+machine's slow spells hit every method alike — and the step-time ratios against stock
+XLA (and the hand-chunked version) are computed.
 
 Results go to a JSON file, rewritten after every trial (a killed run keeps what it
 finished, and `--resume` reuses finished trials). `benchmarks/report.py` turns it into
@@ -68,6 +70,7 @@ flags.DEFINE_string("report_dir", None, "Where the report goes (default: next to
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRIAL_TARGET = "benchmarks.cases:run_trial"
+SPEED_TARGET = "benchmarks.cases:run_speed"
 PEER_METHODS = ("sklearn", "faiss")
 
 
@@ -117,9 +120,8 @@ class Settings:
     bisect_steps: int = 2
     search_repeats: int = 1
     speed_repeats: int = 3
-    speed_min_seconds: float = 0.0  # and keep timing warm calls until this much time has passed
+    speed_min_seconds: float = 0.0  # and keep timing rounds of warm calls for this long per method
     jobs: int = 1
-    parallel_speed: bool = False  # run speed trials `jobs` at a time too (only for the quick check)
 
 
 @dataclasses.dataclass
@@ -197,10 +199,9 @@ QUICK_PLANS = (
     CasePlan("kernel_matmul", {"*": 2000, "tf": 4000}, max_size=4000, quantum=1000,
              speed_sizes=(2000,), methods=("tf", "xla", "tfmem"), speed_methods=("xla", "tfmem"), min_size=4000),
 )
-# Two rounds of three concurrent trials: the speed trials at n=2000 are the searches' own
-# (same repeats), so the check costs no extra processes.
+# Two rounds of three concurrent searches, then one speed process at n=2000.
 QUICK_SETTINGS = Settings(time_cap_s=60.0, growth_factor=2.0, bisect_steps=0, search_repeats=1,
-                          speed_repeats=1, jobs=3, parallel_speed=True)
+                          speed_repeats=1, jobs=3)
 
 
 # --- running trials ------------------------------------------------------------------
@@ -228,7 +229,8 @@ class TrialLog:
     @staticmethod
     def key(trial: dict[str, Any]) -> str:
         return json.dumps([trial["case"], trial["method"], trial["size"], trial["budget_mb"],
-                           trial["threshold"], trial["repeats"], trial.get("min_seconds", 0.0)])
+                           trial["threshold"], trial["repeats"], trial.get("timing", "separate"),
+                           trial.get("min_seconds", 0.0)])
 
     def add(self, trial: dict[str, Any]) -> None:
         with self.lock:
@@ -260,10 +262,9 @@ class Runner:
               purpose: str, time_cap: float | None = None) -> dict[str, Any]:
         from tfmem import run_isolated
 
-        min_seconds = self.settings.speed_min_seconds if purpose == "speed" else 0.0
         record: dict[str, Any] = {"case": case, "method": method, "size": int(size),
                                   "budget_mb": budget.memory_mb, "threshold": budget.threshold,
-                                  "repeats": repeats, "min_seconds": min_seconds}
+                                  "repeats": repeats}
         time_cap = time_cap or self.settings.time_cap_s
         cached = self.log.previous.get(TrialLog.key(record))
         # A trial stopped by the clock is only worth reusing if the cap has not grown since.
@@ -275,8 +276,7 @@ class Runner:
         record["time_cap_s"] = time_cap
         start = time.perf_counter()
         result = run_isolated(TRIAL_TARGET, case, method, int(size), threshold=budget.threshold,
-                              repeats=repeats, min_seconds=min_seconds, planned=True,
-                              memory_limit_mb=budget.memory_mb,
+                              repeats=repeats, planned=True, memory_limit_mb=budget.memory_mb,
                               timeout=time_cap)
         value = result.value if isinstance(result.value, dict) else {}
         record.update(
@@ -300,6 +300,44 @@ class Runner:
             self.log.previous[TrialLog.key(record)] = record
         self._tick(record)
         return record
+
+    def speed_trials(self, case: str, size: int, methods: Sequence[str], budget: Budget,
+                     time_cap: float | None = None) -> list[dict[str, Any]]:
+        """Times `methods` at `size` in one isolated process, interleaved (`cases.run_speed`).
+
+        Returns one record per method, like `trial`'s (purpose "speed", timing "interleaved");
+        the process's peak memory is shared by all methods, so it is not recorded per method.
+        """
+        from tfmem import run_isolated
+
+        settings = self.settings
+        records = [{"case": case, "method": m, "size": int(size), "budget_mb": budget.memory_mb,
+                    "threshold": budget.threshold, "repeats": settings.speed_repeats,
+                    "timing": "interleaved", "min_seconds": settings.speed_min_seconds,
+                    "methods_together": list(methods)} for m in methods]
+        cached = [self.log.previous.get(TrialLog.key(r)) for r in records]
+        if all(c is not None and c.get("methods_together") == list(methods) for c in cached):
+            for record in cached:
+                self.log.add({**record, "reused": True})
+                self._tick(record)
+            return [{**c, "reused": True} for c in cached]
+        time_cap = (time_cap or settings.time_cap_s) * len(methods)  # each method had its own cap
+        start = time.perf_counter()
+        result = run_isolated(SPEED_TARGET, case, int(size), list(methods), threshold=budget.threshold,
+                              repeats=settings.speed_repeats, min_seconds=settings.speed_min_seconds,
+                              memory_limit_mb=budget.memory_mb, timeout=time_cap)
+        values = result.value if isinstance(result.value, dict) else {}
+        for record in records:
+            value = values.get(record["method"]) or {"status": result.status, "error": result.error}
+            record.update(
+                purpose="speed", status=value["status"], error=_short_error(value.get("error")),
+                time_cap_s=time_cap, peak_bytes=None, call_s=result.seconds,
+                wall_s=time.perf_counter() - start, first_call_s=value.get("first_call_s"),
+                step_s=value.get("step_s"), steps_timed=value.get("steps_timed"),
+                digest=value.get("digest"))
+            self.log.add(record)
+            self._tick(record)
+        return records
 
     def _tick(self, record: dict[str, Any]) -> None:
         if self.progress is not None:
@@ -405,10 +443,16 @@ def speed_comparison(plan: CasePlan, budget: Budget, points: Sequence[OomPoint],
     methods = [m for m in plan.speed_methods if m != "chunked" or plan.case in _CHUNKED_CASES]
     methods += [p for p in plan.peers if _peer_available(p)]
     for size in sizes:
-        # One at a time unless told otherwise: concurrent trials would time each other.
-        with concurrent.futures.ThreadPoolExecutor(settings.jobs if settings.parallel_speed else 1) as pool:
-            trials = list(pool.map(lambda m: runner.trial(plan.case, m, size, budget, settings.speed_repeats,
-                                                          "speed", plan.time_cap_s), methods))
+        # A method whose search already ran out of memory at or below this size is not
+        # run again: it would only make the allocator stall and retry inside the process.
+        known_oom = {p.method for p in points if p.stop in ("oom", "none_ok")
+                     and p.first_failing is not None and p.first_failing <= size}
+        timed = runner.speed_trials(plan.case, size, [m for m in methods if m not in known_oom],
+                                    budget, plan.time_cap_s)
+        trials = timed + [{"method": m, "status": "oom", "step_s": None} for m in methods if m in known_oom]
+        for peer in plan.peers:  # numpy's memory is resident set, which needs a process of its own
+            if peer in methods:
+                runner.trial(plan.case, peer, size, budget, 0, "peer_memory", plan.time_cap_s)
         statuses = {t["method"]: t["status"] for t in trials}
         times = {t["method"]: t["step_s"] if t["status"] == "ok" else None for t in trials}
         ratios = {}

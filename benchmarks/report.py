@@ -120,6 +120,10 @@ def summary_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _interleaved(data: dict[str, Any]) -> bool:
+    return any(t.get("timing") == "interleaved" for t in data["trials"] if t.get("purpose") == "speed")
+
+
 def _oom_cell(point: dict[str, Any] | None) -> str:
     return "–" if point is None else point["label"]
 
@@ -150,6 +154,7 @@ def render_markdown(data: dict[str, Any], plot_paths: dict[str, str]) -> str:
              f"time cap {settings['time_cap_s']:g} s per trial (process start, build, compile, calls); "
              f"speed = median of ≥ {settings['speed_repeats']} warm calls"
              + (f" and ≥ {settings['speed_min_seconds']:g} s of them" if settings.get("speed_min_seconds") else "")
+             + (", all methods of a size interleaved in one process" if _interleaved(data) else "")
              + "".join(f"; time cap {p['time_cap_s']:g} s for {p['case']}" for p in meta.get("plans", [])
                        if p.get("time_cap_s")), "",
              "## How to read this", "",
@@ -281,7 +286,7 @@ def _case_section(data: dict[str, Any], case: str, plot: str | None) -> list[str
         if agreement:
             lines += ["", "Results agree with stock XLA (largest relative difference of the result digests: "
                       "sums and first entries of every output): " + ", ".join(agreement) + "."]
-        peers = [t for t in data["trials"] if t["case"] == case and t.get("purpose") == "speed"
+        peers = [t for t in data["trials"] if t["case"] == case and t.get("purpose") in ("speed", "peer_memory")
                  and t["method"] in ("sklearn", "faiss") and t.get("max_rss_bytes")]
         if peers:
             lines += ["", "Peers' resident memory above baseline: " + ", ".join(
