@@ -72,3 +72,16 @@ def test_step_timing_keeps_calling_until_min_seconds() -> None:
     assert timed["steps_timed"] == len(calls) >= 8  # 3 calls would be 0.03 s: it went on
     assert 0.009 < timed["step_s"] < 0.1
     assert _time_steps(lambda: calls.append(1), repeats=0, min_seconds=5.0) == {"step_s": None, "steps_timed": 0}
+
+
+def test_speed_interleaves_methods_in_one_process() -> None:
+    from benchmarks.cases import run_speed
+
+    timed = run_speed("kernel_matmul", 300, ["xla", "tfmem", "no_such_method"], threshold="100kB",
+                      repeats=2, min_seconds=0.0)
+    assert timed["no_such_method"]["status"] == "error" and "no_such_method" in timed["no_such_method"]["error"]
+    xla, tfmem_ = timed["xla"], timed["tfmem"]
+    assert xla["status"] == tfmem_["status"] == "ok"
+    assert xla["steps_timed"] == tfmem_["steps_timed"] == 2  # one call of each per round
+    assert xla["step_s"] > 0 and tfmem_["step_s"] > 0
+    assert tfmem_["digest"] == pytest.approx(xla["digest"], rel=1e-9)
