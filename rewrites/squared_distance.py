@@ -35,13 +35,14 @@ Conditions (each failure is a recorded rejection with its reason):
 - self-contained: no tensor of the region is a graph output or read by anything
   outside it (only `Const`s waiting on it by a control edge, which are detached).
 - not a forward-only distance with few features under XLA. When the only way out is one
-  reduction over the feature axis and d ≤ `XLA_FUSES_NAIVE_UP_TO_D`, XLA fuses the naive
-  form into that reduction: it never materialises [n, m, d] and runs 1.1–1.5× faster
-  than ‖x‖² + ‖y‖² − 2·x·yᵀ, whose k=d GEMM is inefficient and adds a pass over
-  [n, m] (measured on CPU, n = 3000–8000, d = 1–6). From d = 8 the expansion is faster,
-  and from about d = 40 XLA materialises [n, m, d] (21 GiB planned at n = 8000), so the
-  rule fires there; it always fires without `jit_compile` and whenever a gradient
-  reads the difference.
+  reduction over the feature axis and d ≤ `KEEP_NAIVE_UP_TO_D`, the naive form stays:
+  XLA fuses it into that reduction, never materialising [n, m, d], and the expansion
+  (a k=d GEMM, which is inefficient, plus a pass over [n, m]) took 1.03–1.3× its time
+  on CPU for d = 1–4 (`benchmarks/sqdist_fusion.py`, n = 3000 and 8000). At d = 5 the
+  two were even, from d = 6 the expansion was faster (0.9×, 0.5× at d = 32), and from
+  about d = 40 XLA materialises [n, m, d] (20.5 GiB planned at n = 8000, d = 40), so the
+  rule fires there. It always fires without `jit_compile` and whenever a gradient reads
+  the difference.
 
 The squared form is clamped at 0 before anything reads it, so a `tf.sqrt` on top
 (a Euclidean distance) stays real where cancellation makes the expansion slightly
@@ -62,9 +63,9 @@ from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule
 
 _Env = Mapping[TensorRef, tf.Tensor]
 
-# Up to this many features, XLA's fused naive forward distance is at least as fast as the
+# Up to this many features, XLA's fused naive forward distance is faster than the
 # expansion and no larger (see the module docstring for the measurements).
-XLA_FUSES_NAIVE_UP_TO_D = 6
+KEEP_NAIVE_UP_TO_D = 4
 
 
 # --- coefficients: [..., n, m]-broadcastable scalars or tensors, built lazily ------------
@@ -293,9 +294,9 @@ class _Region:
         reductions = [e for e in self.exits if e.shape_only is None]
         if len(reductions) != 1 or len(self.shape) - 1 not in reductions[0].axes:
             return None  # a gradient (or a second reader) needs the difference: expand
-        if d > XLA_FUSES_NAIVE_UP_TO_D:
+        if d > KEEP_NAIVE_UP_TO_D:
             return None
-        return (f"kept naive under jit_compile: {self.root} has d={d} ≤ {XLA_FUSES_NAIVE_UP_TO_D} "
+        return (f"kept naive under jit_compile: {self.root} has d={d} ≤ {KEEP_NAIVE_UP_TO_D} "
                 f"features and one reduction over them, which XLA fuses without materialising "
                 f"{list(self.shape)}; the expansion would only add a GEMM and a pass over [n, m]")
 

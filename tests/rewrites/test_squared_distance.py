@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from rewrites.cleanup import ForwardIdentities
 from rewrites.grappler_cleanup import GrapplerCleanup
-from rewrites.squared_distance import ExpandSquaredDistance
+from rewrites.squared_distance import KEEP_NAIVE_UP_TO_D, ExpandSquaredDistance
 from tfmem.capture import capture
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
@@ -198,10 +198,12 @@ def test_forward_only_few_features_stays_naive_under_xla(form):
     assert record.status == "fired"
 
 
-def test_forward_only_many_features_still_expands_under_xla():
-    specs = (tf.TensorSpec([7, 16]), tf.TensorSpec([5, 16]))
+@pytest.mark.parametrize("d, status", [(KEEP_NAIVE_UP_TO_D, "rejected"), (KEEP_NAIVE_UP_TO_D + 1, "fired"),
+                                       (16, "fired")])
+def test_forward_only_expands_under_xla_only_above_the_cut_off(d, status):
+    specs = (tf.TensorSpec([7, d]), tf.TensorSpec([5, d]))
     (record,) = _forward_records(forward_only(FORMS["expand_dims_square"]), {"jit_compile": True}, *specs)
-    assert record.status == "fired"
+    assert record.status == status
 
 
 def test_kept_naive_distance_is_fused_by_xla(rng):
