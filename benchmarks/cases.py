@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmem
+from tfmem.isolation import classify_error
 
 METHODS = ("tf", "xla", "tfmem", "chunked")
 # Peers outside TensorFlow, for the kNN cases; they allocate with numpy, so the allocator
@@ -74,12 +75,7 @@ def _kernel_matmul(n: int, k: int = 16):
 
 
 def _kernel_matvec(n: int):
-    fn, (x, v), _ = _kernel_matmul(n, k=1)
-
-    def chunked(x, v, rows: int = 1024):
-        return tf.concat([kernel_matrix(x[i:i + rows], x) @ v for i in range(0, n, rows)], axis=0)
-
-    return fn, (x, v), tf.function(chunked, jit_compile=True)
+    return _kernel_matmul(n, k=1)
 
 
 # --- nearest neighbours --------------------------------------------------------------
@@ -150,18 +146,20 @@ def sgpr_model(n: int, m: int, seed: int = 0) -> Any:
                               inducing_variable=x[rng.choice(n, m, replace=False)].copy())
 
 
+def sgpr_loss_and_gradients(n: int, m: int) -> Callable[[], Any]:
+    """A fresh SGPR model's loss-and-gradient step (the tape inside the function)."""
+    model = sgpr_model(n, m)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.training_loss()
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step
+
+
 def _sgpr(n: int) -> Callable[[int], Any]:
-    def build(m: int):
-        model = sgpr_model(n, m)
-
-        def fn():
-            with tf.GradientTape() as tape:
-                loss = model.training_loss()
-            return loss, tape.gradient(loss, model.trainable_variables)
-
-        return fn, (), None
-
-    return build
+    return lambda m: (sgpr_loss_and_gradients(n, m), (), None)
 
 
 def _sgpr_predict(n_test: int):
@@ -213,9 +211,10 @@ def _knn_peer(method: str, queries: tf.Tensor, data: tf.Tensor, k: int = 10) -> 
 
 
 def _time_steps(step: Callable[[], Any], repeats: int, min_seconds: float = 0.0) -> dict[str, Any]:
-    """Median warm step time over at least `repeats` calls and `min_seconds` of calls.
+    """Median time of `step` over at least `repeats` calls and `min_seconds` of calls.
 
-    `repeats=0` times nothing (OOM searches only need the first call).
+    `repeats=0` times nothing (OOM searches only need the first call). `run_speed` calls
+    it with a step that is one interleaved round of every method.
     """
     times: list[float] = []
     while len(times) < repeats or (repeats and sum(times) < min_seconds and len(times) < 1000):
@@ -274,21 +273,21 @@ def _method_step(case: str, method: str, size: int, threshold: str | int | None,
     return call, runner, args
 
 
-def _first_call(call: Callable[[], Any]) -> tuple[Any, float]:
+def _first_call(call: Callable[[], Any]) -> tuple[Any, list[float], float]:
+    """The first call's result, its digest (computing it waits for the result) and seconds."""
     start = time.perf_counter()
     value = call()
-    _digest(value)  # waits for the result
-    return value, time.perf_counter() - start
+    digest = _digest(value)
+    return value, digest, time.perf_counter() - start
 
 
 def run_trial(case: str, method: str, size: int, *, threshold: str | int | None = "64MB",
-              repeats: int = 3, min_seconds: float = 0.0, planned: bool = True,
-              outer_gradient: bool = False, keep_value: bool = False) -> dict[str, Any]:
+              repeats: int = 3, planned: bool = True, outer_gradient: bool = False,
+              keep_value: bool = False) -> dict[str, Any]:
     """Runs one case at one size with one method; returns timings, XLA plan and a digest.
 
     Args:
-        repeats, min_seconds: warm calls to time: at least `repeats`, and more until
-            `min_seconds` have passed (the step time is their median).
+        repeats: warm calls to time after the first (the step time is their median).
         outer_gradient: also differentiate Σ output² w.r.t. the first argument, with a
             tape *outside* the method's function (tfmem's backward is then its own rewrite).
         keep_value: return the result itself (as numpy) under "value", for exact checks.
@@ -297,10 +296,9 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
     which `run_isolated` reports as status "oom").
     """
     call, runner, args = _method_step(case, method, size, threshold, outer_gradient)
-    value, first_call = _first_call(call)
+    value, digest, first_call = _first_call(call)
     result: dict[str, Any] = {"first_call_s": first_call,
-                              **_time_steps(lambda: _digest(call()), repeats, min_seconds),
-                              "digest": _digest(value)}
+                              **_time_steps(lambda: _digest(call()), repeats), "digest": digest}
     if method in PEERS:
         result["rss_only"] = True  # numpy allocates outside TensorFlow's allocator
         return result
@@ -337,25 +335,25 @@ def run_speed(case: str, size: int, methods: Sequence[str], *, threshold: str | 
     for method in methods:
         try:
             call, _, _ = _method_step(case, method, size, threshold)
-            value, first_call = _first_call(call)
-        except tf.errors.ResourceExhaustedError as error:
-            results[method] = {"status": "oom", "error": str(error)[:500]}
-            continue
+            _, digest, first_call = _first_call(call)
         except Exception as error:  # noqa: BLE001 — one method failing must not lose the others
-            results[method] = {"status": "error", "error": f"{type(error).__name__}: {error}"[:500]}
+            results[method] = {"status": classify_error(error), "error": f"{type(error).__name__}: {error}"[:500]}
             continue
         calls[method] = call
-        results[method] = {"status": "ok", "error": None, "first_call_s": first_call, "digest": _digest(value)}
+        results[method] = {"status": "ok", "error": None, "first_call_s": first_call, "digest": digest}
     times: dict[str, list[float]] = {m: [] for m in calls}
     order = list(calls)
-    while order and (min(len(t) for t in times.values()) < repeats
-                     or (sum(map(sum, times.values())) < min_seconds * len(order)
-                         and len(times[order[0]]) < 1000)):
+
+    def one_round() -> None:  # every method once, then rotate who goes first
         for method in order:
             start = time.perf_counter()
             _digest(calls[method]())
             times[method].append(time.perf_counter() - start)
-        order = order[1:] + order[:1]
+        order.append(order.pop(0))
+
+    if order:
+        _time_steps(one_round, repeats, min_seconds * len(order))
     for method, samples in times.items():
-        results[method].update(step_s=statistics.median(samples), steps_timed=len(samples))
+        results[method].update(step_s=statistics.median(samples) if samples else None,
+                               steps_timed=len(samples))
     return results

@@ -296,8 +296,6 @@ class Runner:
                 record.update(status="oom", error=f"resident memory {above / 2**20:.0f} MiB above baseline "
                               f"exceeds the {budget.memory_mb} MiB budget (not enforced for numpy)")
         self.log.add(record)
-        with self.log.lock:  # the same trial later in this run (a speed trial at a searched size) reuses it
-            self.log.previous[TrialLog.key(record)] = record
         self._tick(record)
         return record
 
@@ -317,10 +315,11 @@ class Runner:
                     "methods_together": list(methods)} for m in methods]
         cached = [self.log.previous.get(TrialLog.key(r)) for r in records]
         if all(c is not None and c.get("methods_together") == list(methods) for c in cached):
-            for record in cached:
-                self.log.add({**record, "reused": True})
+            reused = [{**c, "reused": True} for c in cached]
+            for record in reused:
+                self.log.add(record)
                 self._tick(record)
-            return [{**c, "reused": True} for c in cached]
+            return reused
         time_cap = (time_cap or settings.time_cap_s) * len(methods)  # each method had its own cap
         start = time.perf_counter()
         result = run_isolated(SPEED_TARGET, case, int(size), list(methods), threshold=budget.threshold,
@@ -440,7 +439,8 @@ def speed_comparison(plan: CasePlan, budget: Budget, points: Sequence[OomPoint],
     if not sizes and limit:
         sizes = [limit]  # the comparison still happens, at the largest size all methods run
     entries = []
-    methods = [m for m in plan.speed_methods if m != "chunked" or plan.case in _CHUNKED_CASES]
+    # A hand-chunked version exists where the plan searches one.
+    methods = [m for m in plan.speed_methods if m != "chunked" or "chunked" in plan.methods]
     methods += [p for p in plan.peers if _peer_available(p)]
     for size in sizes:
         # A method whose search already ran out of memory at or below this size is not
@@ -463,9 +463,6 @@ def speed_comparison(plan: CasePlan, budget: Budget, points: Sequence[OomPoint],
         entries.append({"case": plan.case, "size": size, "budget_mb": budget.memory_mb,
                         "threshold": budget.threshold, "step_s": times, "status": statuses, "ratios": ratios})
     return entries
-
-
-_CHUNKED_CASES = ("kernel_matmul", "kernel_matvec", "knn_f32", "knn_f64")
 
 
 def _peer_available(peer: str) -> bool:

@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import app, flags
 
 import tfmem
+from benchmarks.cases import sgpr_loss_and_gradients
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("n", 2000, "Training points.")
@@ -30,24 +31,6 @@ flags.DEFINE_integer("m", 100, "Inducing points.")
 flags.DEFINE_integer("repeats", 3, "Fresh functions to time (the median is reported).")
 flags.DEFINE_list("passes", [], "Pipeline stages to enable (default none: pure overhead).")
 flags.DEFINE_string("json", None, "Write the measurements here.")
-
-
-def sgpr_loss_and_gradients(n: int, m: int):
-    """A fresh GPflow SGPR model's loss-and-gradient step (the tape inside the function)."""
-    import gpflow
-
-    rng = np.random.default_rng(0)
-    x = rng.uniform(-3, 3, size=(n, 3))
-    y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
-    model = gpflow.models.SGPR((x, y), gpflow.kernels.SquaredExponential(lengthscales=[1.0] * 3),
-                               inducing_variable=x[rng.choice(n, m, replace=False)].copy())
-
-    def step():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    return step
 
 
 def main(argv: list[str]) -> None:

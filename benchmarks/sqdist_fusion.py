@@ -26,13 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from benchmarks.cases import kernel_matrix as naive  # noqa: E402
 from rewrites.squared_distance import KEEP_NAIVE_UP_TO_D  # noqa: E402
 from tfmem.config import format_size  # noqa: E402
 from tfmem.memory import xla_planned_bytes  # noqa: E402
-
-
-def naive(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-    return tf.exp(-0.5 * tf.reduce_sum(tf.square(x[:, None] - y[None]), -1))
 
 
 def expanded(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:

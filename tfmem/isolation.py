@@ -113,7 +113,8 @@ def run_isolated(target: str | Callable[..., Any], *args: Any, memory_limit_mb: 
     return IsolatedResult("error", error=f"process died (exit {proc.returncode}): {message}")
 
 
-def _classify(err: BaseException) -> Status:
+def classify_error(err: BaseException) -> Status:
+    """"oom" if the exception is an out-of-memory (TF's, the allocator's or Python's), else "error"."""
     text = f"{type(err).__name__}: {err}"
     return "oom" if any(marker in text for marker in _OOM_MARKERS) else "error"
 
@@ -148,7 +149,7 @@ def _child_main(request_path: str, response_path: str) -> None:
         value = tf.nest.map_structure(lambda v: v.numpy() if hasattr(v, "numpy") else v, value)
         outcome = {"status": "ok", "value": value}
     except BaseException as err:  # noqa: BLE001 - every failure is reported, not raised
-        outcome = {"status": _classify(err), "error": f"{type(err).__name__}: {str(err)[:2000]}"}
+        outcome = {"status": classify_error(err), "error": f"{type(err).__name__}: {str(err)[:2000]}"}
     outcome.update(seconds=time.perf_counter() - start, peak_bytes=peak(),
                    max_rss_bytes=rss_bytes(), baseline_rss_bytes=baseline)
     try:
