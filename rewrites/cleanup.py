@@ -26,8 +26,7 @@ class ForwardIdentities(GraphPass):
             ref = TensorRef(node.name)
             if graph.control_inputs(node.name) or graph.is_output(ref) or node.name in graph.keep:
                 continue
-            if any(graph.node(c).input and any(t == f"^{node.name}" for t in graph.node(c).input)
-                   for c in graph.node_consumers(node.name)):
+            if graph.control_dependants(node.name):
                 continue  # something waits on it by control edge
             forwarded += graph.replace_all_uses(ref, graph.inputs(node.name)[0]) > 0
         pruned = graph.prune()

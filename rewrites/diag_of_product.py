@@ -100,10 +100,6 @@ class _Side:
     cost: ChainCost
     planner: ChainPlanner | None  # None for a single factor
 
-    @property
-    def copies_factor(self) -> bool:
-        return self.planner is None and self.factors[0].transposed
-
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -154,9 +150,8 @@ class ContractDiagOfProduct(GraphPass):
             graph.prune()
         return PassResult(graph, any(r.status == "fired" for r in records), records)
 
-    def _reject(self, node: node_def_pb2.NodeDef, reason: str, **details: Any) -> RewriteRecord:
-        return RewriteRecord(self.name, "ContractDiagOfProduct", "rejected", (node.name,), reason,
-                             details)
+    def _reject(self, node: node_def_pb2.NodeDef, reason: str) -> RewriteRecord:
+        return RewriteRecord(self.name, "ContractDiagOfProduct", "rejected", (node.name,), reason)
 
     def _rewrite(self, graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord | None:
         matrix = graph.inputs(node.name)[0]
@@ -347,7 +342,7 @@ class ScaleByDiagonal(GraphPass):
             return reject(reason)
         others = [c for c, _ in uses if graph.node(c).op not in PRODUCT_FLAGS]
         others += ["<graph output>"] if graph.is_output(matrix) else []
-        others += [c for c in graph.node_consumers(node.name) if node.name in graph.control_inputs(c)]
+        others += graph.control_dependants(node.name)
         if others or node.name in graph.keep:
             return reject(f"diagonal matrix {node.name} is also read by "
                           f"{', '.join(others[:3]) or 'a kept node'}: it is materialised anyway")

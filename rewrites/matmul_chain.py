@@ -424,7 +424,7 @@ def chain_problem(graph: Graph, chain: MatMulChain) -> str | None:
     for name in chain.interior:
         if graph.control_inputs(name):
             return f"{name} has control inputs"
-        waiting = [c for c in graph.node_consumers(name) if name in graph.control_inputs(c)]
+        waiting = graph.control_dependants(name)
         if waiting:
             return f"{name} is a control dependency of {waiting[0]}"
     return None

@@ -163,6 +163,7 @@ class Graph:
         self.outputs: list[TensorRef] = [TensorRef.parse(o) for o in outputs]
         self.keep: set[str] = set(keep)
         self._consumer_index: dict[str, list[tuple[str, int]]] | None = None
+        self._topological: list[str] | None = None  # both caches are dropped by `_changed`
         self._name_counter = 0
 
     # --- reading ------------------------------------------------------------------
@@ -193,6 +194,10 @@ class Graph:
 
     def control_inputs(self, name: str) -> list[str]:
         return _split_inputs(self.node(name))[1]
+
+    def control_dependants(self, name: str) -> list[str]:
+        """Nodes that wait on `name` by a control edge (a rewrite removing it would drop them)."""
+        return [c for c in self.node_consumers(name) if name in self.control_inputs(c)]
 
     def consumers(self, tensor: TensorRef | str) -> list[tuple[str, int]]:
         """`(node name, input position)` of every data use of `tensor`."""
@@ -252,6 +257,11 @@ class Graph:
         Raises:
             GraphError: if the graph has a cycle or an input names a missing node.
         """
+        if self._topological is None:
+            self._topological = self._sort()
+        return list(self._topological)
+
+    def _sort(self) -> list[str]:
         position = {name: i for i, name in enumerate(self._nodes)}
         pending: dict[str, int] = {}
         for name, node in self._nodes.items():
@@ -299,6 +309,7 @@ class Graph:
 
     def _changed(self) -> None:
         self._consumer_index = None
+        self._topological = None
 
     def unique_name(self, base: str) -> str:
         """A node name not yet in the graph, derived from `base`."""

@@ -21,14 +21,12 @@ from tfmem.memory import estimate_memory
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.split.loops import emit_loop
-from rewrites.split.regions import Region, grow_region
+from rewrites.split.regions import GRAPH_INPUT_OPS, Region, grow_region
 from rewrites.split.rules import SUPPORTED_OPS
 
 __all__ = ["SplitOversizedRegions", "SUPPORTED_OPS"]
 
 _MAX_LOOPS = 64
-# Graph inputs cannot be split.
-_INPUT_OPS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 
 
 class SplitOversizedRegions(GraphPass):
@@ -102,8 +100,8 @@ class _Splitter:
 
     def fit_budget(self, budget: int, split_size: int) -> None:
         """Splits the largest tensor live at the static peak while the peak is over `budget`."""
+        estimate = estimate_memory(self.graph)
         for _ in range(_MAX_LOOPS):
-            estimate = estimate_memory(self.graph)
             if estimate.peak_bytes <= budget:
                 self.records.append(RewriteRecord(self.pass_name, "MemoryBudget", "info",
                                                   details={"peak_bytes": estimate.peak_bytes,
@@ -113,16 +111,17 @@ class _Splitter:
             # eighth of the budget keep it well inside.
             chunk_budget = min(split_size, budget // 8)
             candidates = [TensorRef.parse(t.name) for t in estimate.live_at_peak
-                          if self.graph.node(TensorRef.parse(t.name).node).op not in _INPUT_OPS
+                          if self.graph.node(TensorRef.parse(t.name).node).op not in GRAPH_INPUT_OPS
                           and TensorRef.parse(t.name) not in self.given_up and t.nbytes > chunk_budget]
             if not candidates:
                 break
             target = self.graph.nbytes(candidates[0]) or 0
             loops = self.loops
             self.split_all(target - 1, chunk_budget)
-            if self.loops == loops:
+            if self.loops == loops:  # nothing split, so the graph and its estimate are unchanged
                 self.given_up.add(candidates[0])
-        estimate = estimate_memory(self.graph)
+            else:
+                estimate = estimate_memory(self.graph)
         self.records.append(RewriteRecord(
             self.pass_name, "MemoryBudget", "unsplit", (estimate.peak_node or "",),
             "the static peak stays over the budget: nothing left there can be split",

@@ -21,8 +21,8 @@ from tfmem.graph import Graph, TensorRef
 
 from rewrites.split.rules import DimClass, NoRule, class_of, dim_classes
 
-# Graph inputs are sliced, never recomputed.
-_SOURCE_OPS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
+# Graph inputs: a region slices them, never recomputes them, and they are never split.
+GRAPH_INPUT_OPS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 
 
 @dataclasses.dataclass
@@ -69,10 +69,6 @@ class Region:
                     result.append(ref)
         return result
 
-    def sink_outputs(self, graph: Graph) -> list[TensorRef]:
-        return [TensorRef(name, index) for name in self.nodes if name in self.sinks
-                for index in range(len(graph.output_specs(name)))]
-
     def per_unit_bytes(self, graph: Graph) -> int:
         """Bytes of the largest split tensor per unit of the split dimension."""
         return max((graph.nbytes(ref) or 0) // self.size for ref in self.axes)
@@ -108,7 +104,7 @@ class _Grower:
             if isinstance(classes, str):
                 return classes
             node = graph.node(name)
-            if node.op in _SOURCE_OPS:
+            if node.op in GRAPH_INPUT_OPS:
                 return f"{node.op} is a graph input"
             dim_class = class_of(classes, via, via_axis)
             if dim_class is None:
@@ -130,9 +126,8 @@ class _Grower:
                     return f"{node.op} reads split tensor {ref} whole"
             if graph.control_inputs(name):
                 return f"{name} waits on control inputs, which a loop body cannot keep"
-            for consumer in graph.node_consumers(name):
-                if f"^{name}" in graph.node(consumer).input:
-                    return f"{name} has control dependants"
+            if graph.control_dependants(name):
+                return f"{name} has control dependants"
             members[name] = dim_class
             axes.update(dim_class.members)
             whole.update(ref for ref in graph.inputs(name) if ref not in split_here)
@@ -151,7 +146,7 @@ class _Grower:
             for ref, ref_axis in dim_class.members:
                 if ref.node not in members:  # an input: recompute it if large, else slice it
                     nbytes = graph.nbytes(ref) or 0
-                    if nbytes > self.large and graph.node(ref.node).op not in _SOURCE_OPS:
+                    if nbytes > self.large and graph.node(ref.node).op not in GRAPH_INPUT_OPS:
                         try_add(ref.node, ref, ref_axis)
                     continue
                 if ref.node in sinks:  # sink outputs are accumulated, not split
