@@ -266,15 +266,9 @@ def _oom_points(settings: CompareSettings, trials: list[Trial]) -> dict[str, dic
 
 
 def _notes(trials: list[Trial], config: Any) -> list[str]:
-    from rewrites import PASSES_BY_STAGE
-
     notes = []
     if any(t.method == "tfmem" for t in trials):
-        if not PASSES_BY_STAGE.get("split"):
-            notes.append("tfmem's splitting pass is not built yet, so tfmem runs the same SGPR graph "
-                         "under XLA (plus small cleanups): expect the memory and OOM point of "
-                         "tf.function(jit_compile=True). They will move once splitting lands.")
-        elif "split" not in config.passes:
+        if "split" not in config.passes:
             notes.append("the tfmem config leaves out the 'split' stage, so tfmem does not split tensors.")
         elif config.tensor_size_threshold is None:
             notes.append("the tfmem config sets no tensor_size_threshold, so tfmem splits no tensors.")

@@ -33,8 +33,9 @@ from typing import Any
 
 import yaml
 
+from gpflow_integration.data import DATASETS
+
 MODELS: tuple[str, ...] = ("sgpr",)
-DATASETS: tuple[str, ...] = ("diamonds", "synthetic")  # kept in step with gpflow_integration.data
 OPTIMIZERS: tuple[str, ...] = ("scipy", "adam")
 # Method key → the label printed in tables and plots.
 METHODS: dict[str, str] = {

@@ -86,8 +86,14 @@ class _Estimator:
         self.graph = graph
         self.unknown: list[str] = []
         self._function_cache: dict[tuple[str, tuple[Any, ...]], int] = {}
+        self._sizes: dict[TensorRef, int] = {}  # the schedule and the sweep both ask
 
     def _bytes(self, ref: TensorRef) -> int:
+        if ref not in self._sizes:
+            self._sizes[ref] = self._measure(ref)
+        return self._sizes[ref]
+
+    def _measure(self, ref: TensorRef) -> int:
         try:
             size = self.graph.nbytes(ref)
         except Exception:  # an op TF cannot type statically: count nothing, say so
