@@ -13,8 +13,11 @@ that methods can be checked against each other. `run_speed(case, size, methods, 
 times several methods in one process, interleaved, for speed ratios.
 
 Example:
-    >>> run_isolated("benchmarks.cases:run_trial", "kernel_matmul", "tfmem", 20000,
-    ...              threshold="64MB", memory_limit_mb=512)
+    >>> from tfmem import run_isolated
+    >>> result = run_isolated("benchmarks.cases:run_trial", "kernel_matmul", "tfmem", 4000,
+    ...                       threshold="8MB", memory_limit_mb=64)  # a 128 MB kernel matrix, in chunks
+    >>> result.status, result.value["status"], result.value["splits"] > 0
+    ('ok', 'rewritten', True)
 """
 from __future__ import annotations
 
@@ -309,7 +312,7 @@ def run_trial(case: str, method: str, size: int, *, threshold: str | int | None 
     if method == "tfmem":
         report = runner.report(*args)
         result["status"] = report.status
-        result["splits"] = sum(1 for r in report.records if r.status == "split")
+        result["splits"] = len(report.splits)
     return result
 
 
@@ -327,8 +330,11 @@ def run_speed(case: str, size: int, methods: Sequence[str], *, threshold: str | 
     "step_s" (median), "steps_timed", "digest"}.
 
     Example:
-        >>> run_isolated("benchmarks.cases:run_speed", "kernel_matmul", 4000, ["xla", "tfmem"],
-        ...              threshold="32MB", memory_limit_mb=1024)
+        >>> from tfmem import run_isolated
+        >>> timed = run_isolated("benchmarks.cases:run_speed", "kernel_matmul", 1000, ["xla", "tfmem"],
+        ...                      threshold="4MB", repeats=3, min_seconds=0, memory_limit_mb=256).value
+        >>> [timed[m]["status"] for m in ("xla", "tfmem")], timed["tfmem"]["steps_timed"]
+        (['ok', 'ok'], 3)
     """
     results: dict[str, dict[str, Any]] = {}
     calls: dict[str, Callable[[], Any]] = {}

@@ -12,6 +12,10 @@ harness searches the *OOM point*, the largest size that still runs:
 
 A trial stopped by the time cap is *not* an out-of-memory: the method's OOM point is
 then reported as "≥ last size that ran (time cap)", and likewise for the size cap.
+Time caps are seconds on an unloaded machine: `tfmem.run_isolated` stretches each
+one by how much slower the trial's own TensorFlow start-up was than usual, so a busy
+machine gets more time rather than spurious time caps (each record keeps the
+stretched limit as `time_limit_s`).
 After the searches, every method is timed at sizes all of them can run — all methods
 of one size in one process, their calls interleaved (`cases.run_speed`), so that the
 machine's slow spells hit every method alike — and the step-time ratios against stock
@@ -60,7 +64,8 @@ flags.DEFINE_string("out", None, "JSON output (default: benchmarks/results.json,
                     "overwrites the committed results).")
 flags.DEFINE_list("cases", None, "Only these cases (default: all of the mode's plans).")
 flags.DEFINE_list("methods", None, "Only these methods for the OOM search (default: the mode's).")
-flags.DEFINE_float("time_cap", None, "Seconds per trial before it is stopped (overrides the mode's).")
+flags.DEFINE_float("time_cap", None, "Seconds per trial before it is stopped, on an unloaded machine (scaled "
+                   "up by the measured start-up on a busy one); overrides the mode's.")
 flags.DEFINE_integer("jobs", None, "Trials of an OOM search run this many at a time (speed trials always "
                      "run one at a time).")
 flags.DEFINE_bool("resume", False, "Reuse finished trials from an existing --out file.")
@@ -280,6 +285,7 @@ class Runner:
                               timeout=time_cap)
         value = result.value if isinstance(result.value, dict) else {}
         record.update(
+            time_limit_s=result.time_limit_seconds, startup_s=result.startup_seconds,
             purpose=purpose, status=result.status, error=_short_error(result.error),
             peak_bytes=result.peak_bytes, max_rss_bytes=result.max_rss_bytes,
             baseline_rss_bytes=result.baseline_rss_bytes, call_s=result.seconds,

@@ -7,11 +7,13 @@ Run:
     python -m benchmarks.report                                   # benchmarks/results.json → benchmarks/
     python -m benchmarks.report --results /tmp/q/results.json --out_dir /tmp/q
 
-Example (in code):
+Example (in code; `python -m benchmarks.report` writes next to the results instead):
+    >>> import tempfile
     >>> with open("benchmarks/results.json") as f:
     ...     data = json.load(f)
-    >>> write_report(data, "benchmarks")
-    ['benchmarks/RESULTS.md', 'benchmarks/plots/kernel_matmul.png', ...]
+    >>> out = tempfile.mkdtemp()
+    >>> [os.path.relpath(p, out) for p in write_report(data, out)]  # doctest: +ELLIPSIS
+    ['RESULTS.md', 'plots/kernel_matmul.png', ...]
 """
 from __future__ import annotations
 
@@ -393,8 +395,10 @@ def write_report(data: dict[str, Any], directory: str) -> list[str]:
     """Writes `RESULTS.md` and `plots/*.png` under `directory`; returns the paths written.
 
     Example:
-        >>> write_report(json.load(open("benchmarks/results.json")), "benchmarks")[0]
-        'benchmarks/RESULTS.md'
+        >>> import tempfile
+        >>> out = tempfile.mkdtemp()
+        >>> write_report(json.load(open("benchmarks/results.json")), out)[0] == os.path.join(out, "RESULTS.md")
+        True
     """
     os.makedirs(directory, exist_ok=True)
     plots = write_plots(data, directory)

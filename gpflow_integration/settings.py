@@ -8,14 +8,17 @@
       quick:                 # overrides applied by --quick
         dataset: synthetic
         ...
-    tfmem:                   # handed to tfmem.Config.from_mapping as it is
+        tfmem:               # and overrides of the tfmem section
+          tensor_size_threshold: 1MB
+    tfmem:                   # tfmem.Config keys: what tfmem.Config.from_yaml reads
       tensor_size_threshold: 64MB
 
-The two sections are parsed separately: `tfmem:` must hold valid `tfmem.Config` keys
-only, `compare:` the keys of `CompareSettings`. A file with neither section, holding
-only `tfmem.Config` keys (like `configs/default.yaml`), is read as a `tfmem:` section
-with the compare defaults. Every error is a `ValueError` whose message names the file
-and the key.
+Both sections come from one loader, `tfmem.config.ConfigFile`: the `tfmem:` section is
+exactly what `tfmem.Config.from_yaml(path)` (and `tfmem.function(config=path)`,
+`tfmem explain --config path`) reads, and `compare:` holds the keys of
+`CompareSettings`. A file with neither section, holding only `tfmem.Config` keys (like
+`configs/default.yaml`), is read as a `tfmem:` section with the compare defaults.
+Every error is a one-line `ValueError` naming the file, the section and the key.
 
 Example:
     >>> settings, tfmem_config = load_settings("configs/sgpr.yaml")
@@ -28,10 +31,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from gpflow_integration.data import DATASETS
 
@@ -64,7 +64,9 @@ class CompareSettings:
         iterations: optimiser iterations per trial.
         learning_rate: Adam's step size.
         predict_batch_size: test points per compiled prediction call.
-        timeout_seconds: a trial taking longer is stopped and reported as "timeout".
+        timeout_seconds: a trial taking longer is stopped and reported as "timeout" (not
+            as a failure or an out-of-memory). Seconds on an unloaded machine: the limit
+            grows with the machine's measured slowness (`tfmem.run_isolated`). None = no limit.
         stop_after_oom: skip the larger M of a method once it ran out of memory.
         parallel_trials: trials run at once (each in its own process); >1 disturbs timings.
         output_dir: where the JSON result and the PNG plot go.
@@ -84,21 +86,26 @@ class CompareSettings:
     iterations: int = 10
     learning_rate: float = 0.01
     predict_batch_size: int = 1000
-    timeout_seconds: float = 240.0
+    timeout_seconds: float | None = 240.0
     stop_after_oom: bool = True
     parallel_trials: int = 1
     output_dir: str = "tfmem-compare"
 
     def __post_init__(self) -> None:
+        from tfmem.config import did_you_mean
+
         def fail(key: str, message: str) -> None:
             raise ValueError(f"{key}: {message}, got {getattr(self, key)!r}")
 
         if self.model not in MODELS:
-            fail("model", f"model not supported by compare; supported: {', '.join(MODELS)}")
+            fail("model", f"model not supported by compare{did_you_mean(self.model, MODELS)}; "
+                          f"supported: {', '.join(MODELS)}")
         if self.dataset not in DATASETS:
-            fail("dataset", f"unknown data set; known: {', '.join(DATASETS)}")
+            fail("dataset", f"unknown data set{did_you_mean(self.dataset, DATASETS)}; "
+                            f"known: {', '.join(DATASETS)}")
         if self.optimizer not in OPTIMIZERS:
-            fail("optimizer", f"unknown optimizer; known: {', '.join(OPTIMIZERS)}")
+            fail("optimizer", f"unknown optimizer{did_you_mean(self.optimizer, OPTIMIZERS)}; "
+                              f"known: {', '.join(OPTIMIZERS)}")
         for key in ("num_train", "num_test"):
             value = getattr(self, key)
             if value is not None and (not _is_int(value) or value < 1):
@@ -111,6 +118,8 @@ class CompareSettings:
                 fail(key, f"expected a whole number >= {low}")
         for key in ("test_fraction", "learning_rate", "timeout_seconds"):
             value = getattr(self, key)
+            if key == "timeout_seconds" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0 or (key == "test_fraction" and value >= 1):
                 fail(key, "expected a positive number" + (" below 1" if key == "test_fraction" else ""))
@@ -159,6 +168,8 @@ class CompareSettings:
                     value = tuple(_as_int(v, f"{source}: inducing_points") for v in value)
             elif key in ("num_train", "num_test") and value is not None:
                 value = _as_int(value, f"{source}: {key}")
+            elif key == "timeout_seconds" and isinstance(value, str):
+                value = None if value.strip().lower() in ("none", "null", "") else _as_float(value, source, key)
             normalised[key] = value
         try:
             return dataclasses.replace(base or cls(), **normalised)
@@ -180,6 +191,13 @@ def _as_int(value: Any, where: str) -> int:
     raise ValueError(f"{where}: expected a whole number, got {value!r}")
 
 
+def _as_float(value: str, source: str, key: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{source}: {key}: expected a number of seconds or none, got {value!r}") from None
+
+
 def _as_tuple(value: Any) -> tuple[Any, ...]:
     if isinstance(value, str):
         return tuple(part.strip() for part in value.split(",") if part.strip())
@@ -188,77 +206,53 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return (value,)
 
 
-def read_sections(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The `compare` and `tfmem` sections of a YAML file (missing ones are empty).
-
-    Raises:
-        ValueError: if the file cannot be read or parsed, or has other top-level keys.
-    """
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ValueError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
-    try:
-        values = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"config file {str(path)!r} is not valid YAML: {first}") from None
-    values = {} if values is None else values
-    if not isinstance(values, Mapping):
-        raise ValueError(f"config file {str(path)!r}: expected a mapping at the top level, "
-                         f"got {type(values).__name__}")
-    if not set(values) & set(SECTIONS):
-        # A plain tfmem config file (flat tfmem.Config keys): compare defaults for the rest.
-        return {"compare": {}, "tfmem": dict(values)}
-    unknown = sorted(set(values) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"config file {str(path)!r}: unknown top-level key(s) "
-                         f"{', '.join(map(repr, unknown))}; expected sections {', '.join(SECTIONS)}")
-    sections = {name: values.get(name) or {} for name in SECTIONS}
-    for name, section in sections.items():
-        if not isinstance(section, Mapping):
-            raise ValueError(f"config file {str(path)!r}: section {name!r} must be a mapping, "
-                             f"got {type(section).__name__}")
-    return sections
-
-
 def load_settings(path: str | os.PathLike[str], *, quick: bool = False,
                   overrides: Mapping[str, Any] | None = None) -> tuple[CompareSettings, Any]:
     """Reads a compare config file: `(CompareSettings, tfmem.Config)`.
 
+    The file is read by `tfmem.config.ConfigFile`, the one loader of config files: the
+    `tfmem:` section gives the `tfmem.Config` (exactly what `tfmem.Config.from_yaml`
+    returns for the same file), the `compare:` section the settings.
+
     Args:
         path: the YAML file.
-        quick: apply the `compare.quick` overrides (the CI smoke-test settings).
+        quick: apply the `compare.quick` overrides (the smoke-test settings). Its own
+            `tfmem:` mapping, if any, overrides keys of the `tfmem:` section. Unless the
+            quick section or `overrides` set `output_dir`, a quick run writes to
+            `<output_dir>-quick`, so that it never replaces a full run's results.
         overrides: compare keys set last (e.g. from command-line flags).
 
     Raises:
-        ValueError: naming the file and key, for any unreadable file or bad key or value.
+        ValueError: one line naming the file, the section, the key and the problem.
 
     Example:
         >>> settings, config = load_settings("configs/sgpr.yaml", quick=True,
         ...                                  overrides={"memory_budget": "64MiB"})
+        >>> settings.dataset, settings.memory_budget, settings.output_dir
+        ('synthetic', 67108864, 'tfmem-compare-quick')
+        >>> config.memory_budget is None  # the tfmem section: each trial's allocator limit
+        True
     """
-    import tfmem  # late: importing tfmem imports TensorFlow
+    from tfmem.config import Config, ConfigFile  # light: no TensorFlow
 
-    sections = read_sections(path)
-    compare = dict(sections["compare"])
+    file = ConfigFile.read(path)
+    file.check_sections(SECTIONS)
+    compare = dict(file.section("compare"))
     quick_values = compare.pop("quick", None) or {}
+    quick_where = file.where("compare.quick")
     if not isinstance(quick_values, Mapping):
-        raise ValueError(f"config file {str(path)!r}: compare.quick must be a mapping")
-    source = f"config file {str(path)!r}"
-    settings = CompareSettings.from_mapping(compare, source=f"{source}, section 'compare'")
+        raise ValueError(f"{quick_where}: expected a mapping of keys, got {quick_values!r}")
+    quick_values = dict(quick_values)
+    quick_tfmem = quick_values.pop("tfmem", None) or {}
+    settings = CompareSettings.from_mapping(compare, source=file.where("compare"))
+    # The quick section is checked even when not used, so a typo shows up at once.
+    quick_settings = CompareSettings.from_mapping(quick_values, base=settings, source=quick_where)
+    config = Config.from_file(file)
+    quick_config = Config.from_mapping(quick_tfmem, base=config, source=file.where("compare.quick.tfmem"))
     if quick:
-        settings = CompareSettings.from_mapping(quick_values, base=settings,
-                                                source=f"{source}, section 'compare.quick'")
-    elif quick_values:
-        # Validate the quick section even when not used, so a typo shows up at once.
-        CompareSettings.from_mapping(quick_values, base=settings, source=f"{source}, section 'compare.quick'")
+        settings, config = quick_settings, quick_config
+        if "output_dir" not in quick_values:
+            settings = dataclasses.replace(settings, output_dir=f"{settings.output_dir}-quick")
     if overrides:
         settings = CompareSettings.from_mapping(overrides, base=settings, source="command-line flags")
-    try:
-        config = tfmem.Config.from_mapping(sections["tfmem"], source=f"{source}, section 'tfmem'")
-    except ValueError as err:
-        message = str(err)
-        raise ValueError(message if message.startswith(source) else f"{source}, section 'tfmem': {message}") \
-            from None
     return settings, config

@@ -7,17 +7,21 @@ its class to `PASSES_BY_STAGE`.
 from __future__ import annotations
 
 from rewrites.cleanup import ForwardIdentities
+from rewrites.compose_transposes import ComposeTransposes
+from rewrites.detach_constants import DetachConstants
 from rewrites.grappler_cleanup import GrapplerCleanup
+from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
-from rewrites.diag_of_product import ContractDiagOfProduct, ScaleByDiagonal
+from rewrites.diag_of_product import ContractDiagOfProduct
 from rewrites.matmul_chain import ReorderMatMulChain
+from rewrites.scale_by_diagonal import ScaleByDiagonal
 from rewrites.split import SplitOversizedRegions
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities, GrapplerCleanup),
-    "match_and_replace": (ExpandSquaredDistance,),
+    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup),
+    "match_and_replace": (ExpandSquaredDistance, ComposeTransposes),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     "split": (SplitOversizedRegions,),
 }

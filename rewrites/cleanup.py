@@ -33,5 +33,5 @@ class ForwardIdentities(GraphPass):
         records = []
         if forwarded or pruned:
             records.append(RewriteRecord(self.name, "ForwardIdentities", "fired",
-                                         details={"forwarded": forwarded, "pruned": len(pruned)}))
+                                         details={"forwarded": forwarded, "pruned": len(pruned)}, kind="cleanup"))
         return PassResult(graph, bool(forwarded or pruned), records)

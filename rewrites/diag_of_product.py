@@ -1,15 +1,13 @@
-"""Diagonal of a product, contracted without forming the product; and its adjoint.
+"""Diagonal of a product, contracted without forming the product.
 
     diag_part(P @ Q)          →   Σ_j (P ∘ Qᵀ)[..., :, j]            ([N, K] not [N, N])
     diag_part(A @ B @ Aᵀ)     →   Σ_j ((A @ B) ∘ A)[..., :, j]
     trace(A @ B)              →   Σ_i Σ_j (A ∘ Bᵀ)[..., i, j]         (trace is Sum ∘ diag_part)
-    diag(d) @ X               →   d[..., :, None] ∘ X                 (`ScaleByDiagonal`)
-    X @ diag(d)               →   X ∘ d[..., None, :]
 
 `diag_part(X)ᵢ = Σⱼ Pᵢⱼ Qⱼᵢ` needs only the rows of P and the columns of Q, so the
 [N, N] product (the allocation behind GPflow/trieste predictive variances, trieste
 issue #524) is never built. For a longer chain X₁ @ … @ Xₙ the pass picks where to cut
-it into P and Q, builds both sides in their cheapest bracketing (see `matmul_chain`),
+it into P and Q, builds both sides in their cheapest bracketing (see `_chain_algebra`),
 and uses `Σ_{-2} (Pᵀ ∘ Q)` instead when that avoids copying a transposed factor.
 Batch dimensions broadcast as in `BatchMatMulV2`. A non-square product [N, L] keeps
 the first min(N, L) rows of P and columns of Q. Under XLA the multiply fuses into the
@@ -27,12 +25,8 @@ Conditions (rejections carry these reasons):
     * the contraction has a lower peak (then fewer flops) than the product: e.g. not
       for diag(A @ B) with A [3, 100], B [100, 3].
 
-`ScaleByDiagonal` is the same saving for the gradient: the backward of `diag_part` is
-`MatrixDiagV3(dy)`, an [N, N] matrix that is zero off the diagonal, fed to the
-backward MatMuls. It replaces every product with a `MatrixDiag` / `MatrixDiagV2/V3`
-(square, main diagonal, zero padding) by a broadcast multiply; then the [N, N] matrix
-has no readers left. It is rejected when the diagonal matrix has a reader that is not
-a product (it is materialised anyway). A transposed other operand is copied upright.
+The gradient of `diag_part` is an [N, N] diagonal matrix fed to the backward products;
+`scale_by_diagonal` removes it.
 
 Example:
     >>> def predictive_var(knm, qinv):                # knm [N, M], qinv [M, M]
@@ -46,20 +40,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from rewrites.matmul_chain import (PRODUCT_FLAGS, REAL_DTYPES, ChainCost, ChainPlanner, Factor,
-                                   MatMulChain, Tree, combine_peak, describe_tree,
-                                   emit_tree, extract_chain, factor_shapes, peel_transposes, rewritable_shapes,
-                                   splice_factors)
+from rewrites._chain_algebra import (PRODUCT_FLAGS, ChainCost, ChainPlanner, Factor, MatMulChain, Tree,
+                                     combine_peak, describe_tree, emit_tree, extract_chain, factor_shapes,
+                                     peel_transposes, rewritable_shapes, splice_factors)
 from tfmem.config import Config, format_size
 from tfmem.graph import Graph, TensorRef
-from tfmem.passes import GraphPass, PassResult, RewriteRecord
+from tfmem.pattern import Emitted, RegionRule, live_nodes, outside_readers, self_containment_reason
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +120,24 @@ def _flip(factors: Sequence[Factor]) -> tuple[Factor, ...]:
     return tuple(Factor(f.tensor, not f.transposed) for f in reversed(factors))
 
 
-class ContractDiagOfProduct(GraphPass):
+@dataclasses.dataclass
+class DiagRegion:
+    """A diagonal of a product: the diagonal op, the product and the transposes between."""
+
+    node: str
+    source: TensorRef  # the product
+    flipped: bool  # an odd number of transposes between: diag of the product's transpose
+    path: list[TensorRef]  # the transposes' outputs, the diagonal's input first
+    chain: MatMulChain | None = None  # set by `check`
+    before: ChainCost | None = None
+    plan: _Plan | None = None
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return (self.node,)
+
+
+class ContractDiagOfProduct(RegionRule[DiagRegion]):
     """Computes `diag_part(P @ Q)` as a row sum of `P ∘ Qᵀ`, never forming `P @ Q`.
 
     Example:
@@ -138,70 +148,56 @@ class ContractDiagOfProduct(GraphPass):
     """
 
     name = "contract_diag_of_product"
+    rule = "ContractDiagOfProduct"
     stage = "reorder"
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
-        records: list[RewriteRecord] = []
-        for node in list(graph.find(DIAG_OPS)):
-            record = self._rewrite(graph, node)
-            if record is not None:
-                records.append(record)
-        if records:  # also drops a splice whose shapes did not match
-            graph.prune()
-        return PassResult(graph, any(r.status == "fired" for r in records), records)
+    def find(self, graph: Graph) -> Iterator[DiagRegion]:
+        for node in live_nodes(graph, DIAG_OPS):
+            source, flipped, path = peel_transposes(graph, graph.inputs(node.name)[0])
+            if graph.node(source.node).op in PRODUCT_FLAGS and source.index == 0:
+                yield DiagRegion(node.name, source, flipped, path)
 
-    def _reject(self, node: node_def_pb2.NodeDef, reason: str) -> RewriteRecord:
-        return RewriteRecord(self.name, "ContractDiagOfProduct", "rejected", (node.name,), reason)
-
-    def _rewrite(self, graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord | None:
-        matrix = graph.inputs(node.name)[0]
-        source, flipped, path = peel_transposes(graph, matrix)
-        if graph.node(source.node).op not in PRODUCT_FLAGS or source.index != 0:
-            return None  # not a diagonal of a product: no match
-        reason = DIAG_OPS[node.op](graph, node)
+    def check(self, graph: Graph, region: DiagRegion, config: Config) -> str | None:
+        node = graph.node(region.node)
+        reason = DIAG_OPS[node.op](graph, node) or self_containment_reason(
+            graph, outside_readers(graph, [*region.path, region.source], {node.name, *(t.node for t in region.path)}),
+            subject="product {node}", consequence="it is materialised anyway, so contracting saves nothing")
         if reason is not None:
-            return self._reject(node, reason)
-        for tensor in [*path, source]:
-            if graph.sole_consumer(tensor) is None:
-                own = {node.name} | {t.node for t in path}
-                users = [c for c, _ in graph.consumers(tensor) if c not in own]
-                users += ["<graph output>"] if graph.is_output(tensor) else []
-                return self._reject(node, f"product {tensor.node} is also read by "
-                                          f"{', '.join(users[:3]) or 'a control edge'}: it is "
-                                          f"materialised anyway, so contracting saves nothing")
-        chain = extract_chain(graph, source.node, flipped=flipped)
+            return reason
+        chain = extract_chain(graph, region.source.node, flipped=region.flipped)
         shapes = rewritable_shapes(graph, chain)
         if isinstance(shapes, str):
-            return self._reject(node, shapes)
-        itemsize = graph.spec(source).dtype.size
-        planner = ChainPlanner(shapes, itemsize)
+            return shapes
+        planner = ChainPlanner(shapes, graph.spec(region.source).dtype.size)
         out_bytes = graph.nbytes(TensorRef(node.name)) or 0
         product = planner.cost(chain.tree)
         before = ChainCost(max(product.peak, product.size + out_bytes), product.flops, out_bytes)
         plan = self._best_plan(graph, chain, out_bytes)
         if plan.cost.key >= before.key:
-            return self._reject(
-                node, f"no saving: the product {list(planner.result_shape(0, len(shapes) - 1))} "
-                      f"peaks at {format_size(before.peak)}, the contraction "
-                      f"{plan.describe()} at {format_size(plan.cost.peak)}")
+            return (f"no saving: the product {list(planner.result_shape(0, len(shapes) - 1))} "
+                    f"peaks at {format_size(before.peak)}, the contraction "
+                    f"{plan.describe()} at {format_size(plan.cost.peak)}")
+        region.chain, region.before, region.plan = chain, before, plan
+        return None
+
+    def emit(self, graph: Graph, region: DiagRegion) -> Emitted | str:
+        chain, before, plan = region.chain, region.before, region.plan
+        assert chain is not None and before is not None and plan is not None  # `check` passed
 
         def build(values: Callable[[int], tf.Tensor]) -> tf.Tensor:
             return self._emit(plan, values)
 
         (result,) = splice_factors(graph, plan.left.factors + plan.right.factors, build, _SCOPE)
-        want, got = graph.spec(TensorRef(node.name)), graph.spec(result)
+        want, got = graph.spec(TensorRef(region.node)), graph.spec(result)
         if want.shape != got.shape or want.dtype != got.dtype:  # a bug here must not corrupt the graph
-            logger.warning("diag contraction at %s built %s, expected %s", node.name, got, want)
-            return self._reject(node, f"internal: the contraction has spec {got}, expected {want}")
-        graph.replace_all_uses(TensorRef(node.name), result)
-        logger.info("contracted diag of %s at %s: peak %s → %s", chain.describe(), node.name,
+            logger.warning("diag contraction at %s built %s, expected %s", region.node, got, want)
+            return f"internal: the contraction has spec {got}, expected {want}"
+        graph.replace_all_uses(TensorRef(region.node), result)
+        logger.info("contracted diag of %s at %s: peak %s → %s", chain.describe(), region.node,
                     format_size(before.peak), format_size(plan.cost.peak))
-        return RewriteRecord(self.name, "ContractDiagOfProduct", "fired", (node.name, result.node),
-                             details={"before": f"diag_part{chain.describe()}",
-                                      "after": plan.describe(),
-                                      "peak_bytes_before": before.peak,
-                                      "peak_bytes_after": plan.cost.peak,
-                                      "flops_before": before.flops, "flops_after": plan.cost.flops})
+        return Emitted({"before": f"diag_part{chain.describe()}", "after": plan.describe(),
+                        "peak_bytes_before": before.peak, "peak_bytes_after": plan.cost.peak,
+                        "flops_before": before.flops, "flops_after": plan.cost.flops}, (result.node,))
 
     def _best_plan(self, graph: Graph, chain: MatMulChain, out_bytes: int) -> _Plan:
         factors = chain.factors
@@ -282,104 +278,4 @@ def _first(x: tf.Tensor, count: int, axis: int) -> tf.Tensor:
     return x[..., :count, :] if axis == -2 else x[..., :count]
 
 
-def _square_zero_padded(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
-    """Why a MatrixDiagV2/V3 node is not a plain square diagonal matrix, or None."""
-    diagonal, k, rows, cols, padding = graph.inputs(node.name)[:5]
-    values = [graph.constant_value(t) for t in (k, rows, cols, padding)]
-    if any(v is None for v in values):
-        return "k, num_rows, num_cols and padding_value must be constants"
-    k_value, rows_value, cols_value, padding_value = (np.asarray(v) for v in values)
-    if np.any(k_value != 0):
-        return f"only the main diagonal is handled, k={k_value.tolist()}"
-    if np.any(padding_value != 0):
-        return f"off-diagonal padding is {padding_value.tolist()}, not 0"
-    length = graph.spec(diagonal).shape[-1] if graph.spec(diagonal).shape.rank else None
-    if any(int(v) not in (-1, length) for v in (rows_value, cols_value)):
-        return f"not square: num_rows={int(rows_value)}, num_cols={int(cols_value)}"
-    return None
-
-
-# Diagonal-matrix op → why this node is not a square zero-padded diagonal matrix (None: it is).
-DIAG_MATRIX_OPS: dict[str, Callable[[Graph, node_def_pb2.NodeDef], str | None]] = {
-    "MatrixDiag": lambda graph, node: None,
-    "MatrixDiagV2": _square_zero_padded,
-    "MatrixDiagV3": _square_zero_padded,
-}
-
-
-class ScaleByDiagonal(GraphPass):
-    """Multiplies by a diagonal matrix as a broadcast scale: `diag(d) @ X → d[:, None] ∘ X`.
-
-    Example:
-        >>> f = tfmem.TfmemFunction(lambda d, x: tf.linalg.diag(d) @ x,
-        ...                         passes=[ScaleByDiagonal()])
-        >>> tfmem.Graph(f.rewritten_graph_def(d, x)).op_counts().get("MatrixDiagV3", 0)
-        0
-    """
-
-    name = "scale_by_diagonal"
-    stage = "reorder"
-
-    def run(self, graph: Graph, config: Config) -> PassResult:
-        records = [r for node in list(graph.find(DIAG_MATRIX_OPS))
-                   if (r := self._rewrite(graph, node)) is not None]
-        if records:  # also drops a splice whose shapes did not match
-            graph.prune()
-        return PassResult(graph, any(r.status == "fired" for r in records), records)
-
-    def _rewrite(self, graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord | None:
-        matrix = TensorRef(node.name)
-        uses = graph.consumers(matrix)
-        products = [(c, i) for c, i in uses if graph.node(c).op in PRODUCT_FLAGS]
-        if not products:
-            return None  # no product by a diagonal matrix: no match
-
-        def reject(reason: str) -> RewriteRecord:
-            return RewriteRecord(self.name, "ScaleByDiagonal", "rejected", (node.name,), reason)
-
-        reason = DIAG_MATRIX_OPS[node.op](graph, node)
-        if reason is not None:
-            return reject(reason)
-        others = [c for c, _ in uses if graph.node(c).op not in PRODUCT_FLAGS]
-        others += ["<graph output>"] if graph.is_output(matrix) else []
-        others += graph.control_dependants(node.name)
-        if others or node.name in graph.keep:
-            return reject(f"diagonal matrix {node.name} is also read by "
-                          f"{', '.join(others[:3]) or 'a kept node'}: it is materialised anyway")
-        if graph.spec(matrix).dtype not in REAL_DTYPES:
-            return reject(f"dtype {graph.spec(matrix).dtype.name} is not a real floating type")
-        if any(graph.inputs(c)[0] == graph.inputs(c)[1] for c, _ in products):
-            return reject("a product of the diagonal matrix with itself")
-        replaced = []
-        for product, position in products:
-            result = self._scale(graph, product, position, graph.inputs(node.name)[0])
-            if result is not None:
-                graph.replace_all_uses(TensorRef(product), result)
-                replaced.append(product)
-        if not replaced:
-            return reject("internal: no product could be rebuilt with matching shapes")
-        return RewriteRecord(self.name, "ScaleByDiagonal", "fired", (node.name, *replaced),
-                             details={"products": len(replaced),
-                                      "matrix_bytes": graph.nbytes(matrix) or 0})
-
-    def _scale(self, graph: Graph, product: str, position: int, diagonal: TensorRef) -> TensorRef | None:
-        """`product`, which reads the diagonal matrix at input `position`, as a scale."""
-        # diag(d) is symmetric: only the other operand's transpose flag matters.
-        flag_name = PRODUCT_FLAGS[graph.node(product).op][1 - position]
-        attrs = graph.node(product).attr
-        flag = bool(attrs[flag_name].b) if flag_name in attrs else False
-        source, peeled, _ = peel_transposes(graph, graph.inputs(product)[1 - position])
-        transposed = flag ^ peeled
-
-        def build(d: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
-            x = tf.linalg.matrix_transpose(x) if transposed else x
-            if position == 0:
-                return d[..., :, None] * x  # rows of x scaled: diag(d) @ x
-            return x * d[..., None, :]  # columns of x scaled: x @ diag(d)
-
-        (result,) = graph.splice(build, [diagonal, source], scope=self.name)
-        if graph.spec(result).shape != graph.spec(TensorRef(product)).shape:
-            logger.warning("scale by diagonal at %s built %s, expected %s", product,
-                           graph.spec(result).shape, graph.spec(TensorRef(product)).shape)
-            return None
-        return result
+__all__ = ["ContractDiagOfProduct", "DiagRegion"]

@@ -22,15 +22,21 @@ carried over from the input as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
+import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
 from tfmem.config import Config
+from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule, RuleSet
+
+from rewrites.splats import LARGE_TENSOR_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +58,9 @@ def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) 
 
     protected = sorted({o.node for o in graph.outputs} | (graph.keep & {n.name for n in graph.nodes})
                        | {n.name for n in graph.find("Placeholder")})
+    shielded = _shield_large_constants(graph)
     meta_graph = meta_graph_pb2.MetaGraphDef()
-    meta_graph.graph_def.CopyFrom(graph.to_graph_def())
+    meta_graph.graph_def.CopyFrom(shielded.graph.to_graph_def())
     # Grappler treats the train_op collection as fetches: those nodes survive with their names.
     meta_graph.collection_def["train_op"].node_list.value.extend(protected)
     config = config_pb2.ConfigProto()
@@ -64,8 +71,7 @@ def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) 
     try:
         optimized = tf_optimizer.OptimizeGraph(config, meta_graph)
     except Exception as err:  # Grappler's errors come as several types; all mean "keep the original"
-        first_line = str(err).splitlines()[0] if str(err) else ""
-        raise GraphError(f"Grappler failed: {type(err).__name__}: {first_line}") from err
+        raise GraphError(f"Grappler failed: {type(err).__name__}: {first_line(err)}") from err
     names = {n.name: n for n in optimized.node}
     for name in protected:
         if name not in names:
@@ -81,6 +87,7 @@ def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) 
     optimized.library.CopyFrom(graph.library)  # Grappler may drop functions it thinks unused
     optimized.versions.CopyFrom(graph.versions)
     cleaned = Graph(optimized, outputs=graph.outputs, keep=graph.keep)
+    shielded.restore(cleaned)
     cleaned.infer_shapes()
     problems = cleaned.lint()
     if problems:
@@ -91,6 +98,76 @@ def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) 
             raise GraphError(f"Grappler changed output {output} from {graph.spec(output)} to "
                              f"{cleaned.spec(output)}")
     return cleaned
+
+
+# --- large constants Grappler must not compute --------------------------------------------
+
+
+@dataclasses.dataclass
+class _Shielded:
+    """A copy of a graph prepared so that Grappler never builds a large tensor on the host.
+
+    Grappler evaluates every node whose inputs are constants, whatever its size, and
+    keeps the result if it is a splat (an [M, M] `eye`, an [M, N] `Fill`); and it feeds
+    every placeholder a made-up tensor of the placeholder's shape. Both cost time and
+    host memory that grow with the tensors tfmem exists to avoid. So, in the copy:
+
+    - shape queries of statically shaped tensors are constants already (what Grappler
+      would have folded them into, without its needing the shapes below);
+    - large computable nodes are placeholders (opaque: Grappler cannot fold them);
+    - large placeholders, and those stand-ins, have unknown dimensions (tiny feeds).
+
+    `restore` puts the hidden nodes (and whatever of their constant inputs Grappler
+    dropped) and the original placeholders back.
+    """
+
+    graph: Graph
+    originals: Graph
+    hidden: tuple[str, ...] = ()
+    relaxed: tuple[str, ...] = ()
+
+    def restore(self, cleaned: Graph) -> None:
+        missing: list[str] = []
+        for name in self.hidden + self.relaxed:
+            if name in cleaned:  # still read: the stand-in becomes the node again
+                cleaned.replace_node(self.originals.node(name))
+                missing.extend(self.originals.producers(name))
+        while missing:
+            name = missing.pop()
+            if name not in cleaned:
+                cleaned.add_node(self.originals.node(name))
+                missing.extend(self.originals.producers(name))
+
+
+_SHAPE_QUERIES = {"Shape": lambda shape: shape, "Size": lambda shape: int(np.prod(shape)),
+                  "Rank": lambda shape: len(shape)}
+
+
+def _shield_large_constants(graph: Graph) -> _Shielded:
+    shielded = graph.copy()
+    for node in list(shielded.find(list(_SHAPE_QUERIES))):
+        shape = shielded.spec(shielded.inputs(node.name)[0]).shape
+        if shape.is_fully_defined():
+            dtype = node.attr["out_type"].type if "out_type" in node.attr else tf.int32.as_datatype_enum
+            value = np.asarray(_SHAPE_QUERIES[node.op](shape.as_list()), tf.as_dtype(dtype).as_numpy_dtype)
+            shielded.replace_with_constant(node.name, value)
+    computable: set[str] = set()  # nodes whose value depends on no input, variable or effect
+    hidden: list[str] = []
+    relaxed: list[str] = []
+    for node in shielded.nodes:
+        large = len(shielded.output_specs(node.name)) == 1 \
+            and (shielded.nbytes(TensorRef(node.name)) or 0) > LARGE_TENSOR_BYTES
+        if node.op == "Placeholder":
+            relaxed += [node.name] if large else []
+            continue
+        producers = shielded.producers(node.name)
+        if node.op == "Const" or (producers and not shielded.is_stateful(node.name)
+                                  and all(p in computable for p in producers)):
+            computable.add(node.name)
+            hidden += [node.name] if large and node.op != "Const" else []
+    for name in hidden + relaxed:
+        shielded.replace_node(shielded.placeholder_like(name, unknown_dims=True))
+    return _Shielded(shielded, graph, tuple(hidden), tuple(relaxed))
 
 
 # --- no-op folds Grappler leaves behind -------------------------------------------------
@@ -107,15 +184,20 @@ def no_op_cast(op: OpBuilder, x: PatternNode) -> PatternNode:
     return op.Cast(x)
 
 
-def _unchanged(graph: Graph, match: Match) -> bool:
-    """The root has exactly the static shape and dtype of `x`, and is not a graph output.
+def _unchanged(graph: Graph, match: Match) -> str | None:
+    """Why the root is not a no-op of `x`: its static shape or dtype differs, or it is an output.
 
     (An output must stay a node of its own: if it became a placeholder, the import,
     which drops placeholders, could not return it.)
     """
     before, after = graph.spec(match["x"]), graph.spec(match.root)
-    return (before.shape.is_fully_defined() and before.shape == after.shape
-            and before.dtype == after.dtype and not graph.is_output(match.root))
+    if not before.shape.is_fully_defined():
+        return f"{match['x']} has a dynamic shape {before.shape}"
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return f"it changes {before.dtype.name}{before.shape} to {after.dtype.name}{after.shape}"
+    if graph.is_output(match.root):
+        return f"{match.root} is a graph output"
+    return None
 
 
 class FoldNoOp(RewriteRule):
@@ -129,7 +211,7 @@ class FoldNoOp(RewriteRule):
 
 
 def no_op_folds() -> list[RewriteRule]:
-    """The fold rules; a match whose shape or dtype does change is simply not a match."""
+    """The fold rules; an op that does change the shape or dtype is not a match (logged why)."""
     return [FoldNoOp("FoldNoOpReshape", no_op_shape_change), FoldNoOp("FoldNoOpCast", no_op_cast)]
 
 
@@ -155,13 +237,14 @@ class GrapplerCleanup(GraphPass):
             except GraphError as err:  # all or nothing: the graph goes on exactly as it came
                 logger.info("grappler cleanup skipped: %s", err)
                 return PassResult(graph, False, [RewriteRecord(self.name, "Grappler", "rejected",
-                                                               reason=str(err))])
+                                                               reason=str(err), kind="cleanup")])
             else:
                 modified = _differs(graph, cleaned)
                 if modified:
                     records.append(RewriteRecord(self.name, "Grappler", "fired",
                                                  details={"nodes_before": before,
-                                                          "nodes_after": len(cleaned)}))
+                                                          "nodes_after": len(cleaned)},
+                                                 kind="cleanup"))
                 graph = cleaned
         folds = RuleSet(no_op_folds(), name=self.name).run(graph, config)
         records.extend(r for r in folds.records if r.status == "fired")

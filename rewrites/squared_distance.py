@@ -59,7 +59,8 @@ import tensorflow as tf
 
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
-from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule
+from tfmem.pattern import (Emitted, Match, OpBuilder, Pattern, PatternNode, RegionRule, outside_readers,
+                           self_containment_reason)
 
 _Env = Mapping[TensorRef, tf.Tensor]
 
@@ -193,7 +194,7 @@ def pairwise_difference(op: OpBuilder, rows: PatternNode, cols: PatternNode) -> 
     return op.any_of(op.Sub(rows, cols), op.Sub(cols, rows), op.SquaredDifference(rows, cols))
 
 
-class ExpandSquaredDistance(RewriteRule):
+class ExpandSquaredDistance(RegionRule["_Region"]):
     """Rewrites naive pairwise squared distances (and their gradients) to the expanded form.
 
     Example:
@@ -213,27 +214,26 @@ class ExpandSquaredDistance(RewriteRule):
         True
     """
 
+    name = "ExpandSquaredDistance"
+    rule = "ExpandSquaredDistance"
+    stage = "match_and_replace"
+
     def __init__(self) -> None:
-        super().__init__("ExpandSquaredDistance",
-                         Pattern(pairwise_difference, where={"rows": _rows_spec, "cols": _cols_spec}))
+        self.pattern = Pattern(pairwise_difference, where={"rows": _rows_spec, "cols": _cols_spec})
 
-    def self_contained(self, graph: Graph, match: Match) -> str | None:
-        # The pattern is only the seed; `check` walks the whole region it spans and
-        # demands that region be self-contained.
-        return None
+    def find(self, graph: Graph) -> list[_Region]:
+        # The pattern is only the seed: each region grows from one pairwise difference.
+        # Seeds are all taken before anything is rewritten.
+        return [_Region(graph, match) for match in self.pattern.matches(graph)]
 
-    def check(self, graph: Graph, match: Match, config: Config) -> str | None:
-        region = _Region(graph, match)
-        reason = region.analyse() or (region.fused_by_xla() if config.jit_compile else None)
-        if reason is None:
-            match.state["region"] = region
-            match.state["details"] = {"pairwise_shape": list(region.shape),
-                                      "removed_nodes": len(region.inner),
-                                      "exits": len(region.exits)}
-        return reason
+    def check(self, graph: Graph, region: _Region, config: Config) -> str | None:
+        return region.analyse() or (region.fused_by_xla() if config.jit_compile else None)
 
-    def apply(self, graph: Graph, match: Match) -> dict[TensorRef, TensorRef]:
-        return match.state["region"].replace()
+    def emit(self, graph: Graph, region: _Region) -> Emitted:
+        for old, new in region.replace().items():
+            graph.replace_all_uses(old, new)
+        return Emitted({"pairwise_shape": list(region.shape), "removed_nodes": len(region.inner),
+                        "exits": len(region.exits)})
 
 
 class _Region:
@@ -253,6 +253,7 @@ class _Region:
 
     def __init__(self, graph: Graph, match: Match) -> None:
         self.graph = graph
+        self.nodes = match.nodes  # the seed's: records name them
         self.root = match.root
         self.rows, self.cols = match["rows"], match["cols"]
         self.shape: tuple[int, ...] = ()
@@ -470,23 +471,10 @@ class _Region:
         return _Exit(name, form, axes, node.op == "Mean", tuple(out_shape.as_list()))
 
     def _self_contained(self, exits: set[str]) -> str | None:
-        allowed = set(self.inner) | exits
-        for name in self.inner:
-            ref = TensorRef(name)
-            if self.graph.is_output(ref):
-                return f"not self-contained: {ref} is a graph output"
-            if name in self.graph.keep:
-                return f"not self-contained: {name} must be kept"
-            data_readers = {c for c, _ in self.graph.consumers(ref)}
-            for consumer in self.graph.node_consumers(name):
-                if consumer in allowed:
-                    continue
-                if consumer not in data_readers and self.graph.node(consumer).op == "Const":
-                    self.detach.append((consumer, name))  # a constant waiting on it: ordering only
-                    continue
-                return (f"not self-contained: {ref} is also read by {consumer} "
-                        f"({self.graph.node(consumer).op})")
-        return None
+        readers = outside_readers(self.graph, [TensorRef(n) for n in self.inner], set(self.inner) | exits)
+        # A constant waiting on the region by a control edge only orders, reads nothing: detach it.
+        self.detach = [(r.reader, r.tensor.node) for r in readers if r.waiting_constant]
+        return self_containment_reason(self.graph, readers, allow_waiting_constants=True)
 
     # --- replacement ------------------------------------------------------------------
 

@@ -12,39 +12,32 @@ Example:
 """
 from __future__ import annotations
 
-import importlib as _importlib
 import logging as _logging
-from typing import Any as _Any
+
+from tfmem._lazy import lazy_exports as _lazy_exports
 
 # Public name → the module that defines it. Loaded on first use, so that `import tfmem`
 # (and the `tfmem` command, which must set TensorFlow's log level first) does not pull
 # in TensorFlow before it is needed.
 _EXPORTS = {
     "UnsupportedFunction": "capture",
+    **dict.fromkeys(["Budget", "device_budget", "resolve_budget"], "budget"),
+    **dict.fromkeys(["TfmemError", "TfmemWarning"], "errors"),
+    **dict.fromkeys(["Compiled", "Rewritten", "Traced"], "stages"),
     **dict.fromkeys(["PASS_STAGES", "Config", "active_config", "config_scope", "define_flags", "format_size",
                      "parse_size"], "config"),
     **dict.fromkeys(["Graph", "GraphError", "TensorRef"], "graph"),
     **dict.fromkeys(["IsolatedResult", "run_isolated"], "isolation"),
-    **dict.fromkeys(["LiveTensor", "MemoryEstimate", "estimate_memory", "xla_planned_bytes"], "memory"),
-    **dict.fromkeys(["GraphPass", "PassError", "PassManager", "PassResult", "PipelineResult", "RewriteRecord"],
-                    "passes"),
+    **dict.fromkeys(["LiveTensor", "MemoryEstimate", "XlaPlan", "estimate_memory", "xla_plan", "xla_planned_bytes"], "memory"),
+    **dict.fromkeys(["GraphPass", "PassError", "PassManager", "PassResult", "PipelineResult", "RewriteRecord",
+                     "register_pipeline"], "passes"),
     **dict.fromkeys(["Match", "Pattern", "RewriteRule", "RuleSet"], "pattern"),
     "Report": "report",
-    **dict.fromkeys(["TfmemError", "TfmemFunction", "explain", "function"], "wrapper"),
+    **dict.fromkeys(["TfmemFunction", "explain", "function"], "wrapper"),
 }
 
 
-def __getattr__(name: str) -> _Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfmem' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"tfmem.{_EXPORTS[name]}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
-
+__getattr__, __dir__ = _lazy_exports(__name__, {name: f"tfmem.{module}" for name, module in _EXPORTS.items()})
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 

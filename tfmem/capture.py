@@ -9,14 +9,13 @@ takes the same arguments as the user's function and returns the same structure.
 Example:
     >>> cf = tf.function(lambda x: {"y": 2 * x}).get_concrete_function(tf.ones([3]))
     >>> captured = capture(cf)
-    >>> f = import_as_function(captured, captured.graph_def, captured.outputs, jit_compile=True)
+    >>> f = import_as_function(captured, captured.to_graph(), jit_compile=True)
     >>> f(tf.ones([3]))["y"].numpy()
     array([2., 2., 2.], dtype=float32)
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -27,6 +26,10 @@ from tfmem.graph import Graph, TensorRef, is_stateful
 # Stateful ops that only read: recomputing them (e.g. in a backward pass) is harmless.
 _READ_ONLY_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "VarIsInitializedOp",
                                      "Placeholder", "NoOp"})
+
+
+# Cross-device communication ops: a graph holding them is a multi-device program.
+_COLLECTIVE_OP_PREFIXES = ("Collective", "Nccl")
 
 
 class UnsupportedFunction(ValueError):
@@ -77,9 +80,10 @@ def capture(concrete: Any) -> CapturedFunction:
     for tensor in args:
         if tensor.dtype != tf.resource and not tensor.shape.is_fully_defined():
             raise UnsupportedFunction(
-                f"argument {tensor.name.split(':')[0]!r} has dynamic shape {tensor.shape}; "
+                f"argument {tensor.op.name!r} has dynamic shape {tensor.shape}; "
                 "tfmem sizes tensors statically, so every argument needs a fully known shape")
     graph_def = graph.as_graph_def(add_shapes=True)
+    _check_one_device(graph_def)
     leaves = [leaf for leaf in tf.nest.flatten(concrete.structured_outputs, expand_composites=True)
               if isinstance(leaf, tf.Tensor)]
     if [t.name for t in leaves] != [t.name for t in concrete.outputs]:
@@ -96,6 +100,22 @@ def capture(concrete: Any) -> CapturedFunction:
     )
 
 
+def _check_one_device(graph_def: graph_pb2.GraphDef) -> None:
+    """Refuses a program that spans devices, as a function calling `strategy.run` does.
+
+    tfmem rewrites and compiles *one device's* program; the imported graph would run on
+    one device under XLA. Inside `strategy.run` each replica's trace is such a program.
+    """
+    devices = sorted({n.device for n in graph_def.node if n.device})
+    collectives = sorted({n.op for n in graph_def.node if n.op.startswith(_COLLECTIVE_OP_PREFIXES)})
+    if len(devices) > 1 or collectives:
+        where = f"places ops on {len(devices)} devices ({', '.join(devices)})" if len(devices) > 1 else \
+            f"runs the collective op(s) {', '.join(collectives)}"
+        raise UnsupportedFunction(
+            f"the function {where}, as a function calling strategy.run does; tfmem rewrites one "
+            "device's program: wrap the function passed to strategy.run instead")
+
+
 def _has_side_effects(graph_def: graph_pb2.GraphDef) -> bool:
     nodes = list(graph_def.node)
     for function in graph_def.library.function:
@@ -103,10 +123,9 @@ def _has_side_effects(graph_def: graph_pb2.GraphDef) -> bool:
     return any(is_stateful(n) and n.op not in _READ_ONLY_STATEFUL_OPS for n in nodes)
 
 
-def import_as_function(captured: CapturedFunction, graph_def: graph_pb2.GraphDef,
-                       outputs: Sequence[str | TensorRef], *, jit_compile: bool,
+def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile: bool,
                        input_signature: Any = None, name: str = "tfmem") -> Any:
-    """Builds a `tf.function` that runs `graph_def` in place of `captured`'s function.
+    """Builds a `tf.function` that runs `graph` in place of `captured`'s function.
 
     The new function is called with the user's original arguments. Inside its trace,
     its argument placeholders line up one-to-one with the original's (both were traced
@@ -115,19 +134,15 @@ def import_as_function(captured: CapturedFunction, graph_def: graph_pb2.GraphDef
 
     Args:
         captured: the original function, taken apart.
-        graph_def: the (rewritten) graph; it must keep the original's placeholder names.
-        outputs: its output tensors, one per original flat output.
+        graph: the (rewritten) graph; it keeps the original's placeholder names, and its
+            `outputs` are one per original flat output.
         jit_compile: compile with XLA.
     """
-    outputs = [TensorRef.parse(o).name for o in outputs]
-    placeholders = {n.name for n in graph_def.node if n.op == "Placeholder"}
-    used = {TensorRef.parse(t.lstrip("^")).node for n in graph_def.node for t in n.input}
-    used |= {TensorRef.parse(o).node for o in outputs}
+    outputs = [o.name for o in graph.outputs]
+    placeholders = {n.name for n in graph.find("Placeholder")}
+    used = {p for p in placeholders if graph.node_consumers(p)} | {o.node for o in graph.outputs}
     # Mapped placeholders must not be imported: XLA has no kernel for Placeholder.
-    stripped = graph_pb2.GraphDef()
-    stripped.CopyFrom(graph_def)
-    del stripped.node[:]
-    stripped.node.extend(n for n in graph_def.node if n.name not in placeholders)
+    stripped = graph.to_graph_def(drop=placeholders)
     control_outputs = [c for c in captured.control_outputs if c not in placeholders]
     structure = captured.concrete.structured_outputs
 
@@ -143,7 +158,7 @@ def import_as_function(captured: CapturedFunction, graph_def: graph_pb2.GraphDef
                 input_map[original] = tensor
         for external, internal in captured.captures:
             node = TensorRef.parse(internal).node
-            if node in placeholders and node in used:
+            if node in used:
                 input_map[internal] = tf.identity(external)
         results = tf.graph_util.import_graph_def(
             stripped, input_map=input_map, return_elements=outputs + control_outputs, name=name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -27,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from tfmem.errors import first_line
+
 # The pipeline stages, in the order the PassManager runs them. A rewrite module
 # registers its pass under one of these names; `Config.passes` switches stages on.
 PASS_STAGES: tuple[str, ...] = ("cleanup", "match_and_replace", "reorder", "split")
@@ -34,9 +37,22 @@ PASS_STAGES: tuple[str, ...] = ("cleanup", "match_and_replace", "reorder", "spli
 _DECIMAL = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SIZE_UNITS: dict[str, int] = {**_DECIMAL, **_BINARY}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 ENV_PREFIX = "TFMEM_"
+# The section of a sectioned YAML file (see `ConfigFile`) that holds `Config` keys.
+SECTION = "tfmem"
+
+
+def did_you_mean(word: Any, known: Any) -> str:
+    """" (did you mean 'x'?)" for the closest of `known` to a mistyped `word`, else "".
+
+    Example:
+        >>> did_you_mean("tensor_size_treshold", ["tensor_size_threshold", "strict"])
+        " (did you mean 'tensor_size_threshold'?)"
+    """
+    close = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_size(value: Any, *, key: str = "size") -> int | None:
@@ -49,6 +65,10 @@ def parse_size(value: Any, *, key: str = "size") -> int | None:
     Example:
         >>> parse_size("1.5GB"), parse_size("512MiB"), parse_size(4096)
         (1500000000, 536870912, 4096)
+        >>> parse_size("-64MB", key="tensor_size_threshold")
+        Traceback (most recent call last):
+        ...
+        ValueError: tensor_size_threshold: a size must not be negative, got '-64MB'
 
     Raises:
         ValueError: naming `key` and the value, for negative, non-finite or malformed sizes.
@@ -70,24 +90,122 @@ def parse_size(value: Any, *, key: str = "size") -> int | None:
             )
         number, unit = float(match.group(1)), match.group(2).lower()
         if unit not in SIZE_UNITS:
-            raise ValueError(f"{key}: unknown size unit {match.group(2)!r} in {value!r}; "
-                             f"known units: {', '.join(u for u in SIZE_UNITS if u)}")
+            units = [u for u in SIZE_UNITS if u]
+            raise ValueError(f"{key}: unknown size unit {match.group(2)!r} in {value!r}"
+                             f"{did_you_mean(unit, units)}; known units: {', '.join(units)}")
     else:
         raise ValueError(f"{key}: expected a size, got {type(value).__name__} {value!r}")
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{key}: size must be a finite number >= 0, got {value!r}")
+    if number < 0:
+        raise ValueError(f"{key}: a size must not be negative, got {value!r}")
+    if not math.isfinite(number):
+        raise ValueError(f"{key}: a size must be finite, got {value!r}")
     size = int(number * SIZE_UNITS[unit])
     return size or None
 
 
 def check_keys(values: Any, known: tuple[str, ...], *, source: str) -> None:
-    """Raises ValueError, naming `source`, unless `values` is a mapping of only `known` keys."""
+    """Raises ValueError, naming `source`, unless `values` is a mapping of only `known` keys.
+
+    Example:
+        >>> check_keys({"strcit": True}, ("strict", "verify"), source="config file 'my.yaml'")
+        Traceback (most recent call last):
+        ...
+        ValueError: config file 'my.yaml': unknown key 'strcit' (did you mean 'strict'?); known keys: strict, verify
+    """
     if not isinstance(values, Mapping):
         raise ValueError(f"{source}: expected a mapping of keys, got {type(values).__name__}")
-    unknown = sorted(set(values) - set(known))
+    unknown = sorted((key for key in values if key not in known), key=str)
     if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
+        named = ", ".join(f"{key!r}{did_you_mean(key, known)}" for key in unknown)
+        raise ValueError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {named}; "
                          f"known keys: {', '.join(known)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """A YAML config file, read once, as named sections of keys.
+
+    Two layouts are understood, and every reader of config files goes through here:
+
+    - flat: `key: value` lines of `Config` keys only (`configs/default.yaml`); it is
+      read as a file whose only section is `tfmem`.
+    - sectioned: top-level mappings, one per tool (`configs/sgpr.yaml` has `tfmem:` and
+      `compare:`). `Config` reads the `tfmem:` section (absent = the defaults); other
+      tools read their own sections with `section(name)`.
+
+    A file is sectioned when it has a `tfmem:` key or any top-level mapping; then every
+    top-level key must be a section.
+
+    Example:
+        >>> file = ConfigFile.read("configs/sgpr.yaml")
+        >>> file.sectioned, sorted(file.sections)
+        (True, ['compare', 'tfmem'])
+        >>> file.where("compare")
+        "config file 'configs/sgpr.yaml', section 'compare'"
+        >>> Config.from_file(file).passes
+        ('cleanup', 'match_and_replace', 'reorder', 'split')
+    """
+
+    path: str
+    sections: Mapping[str, Mapping[str, Any]]
+    sectioned: bool
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> ConfigFile:
+        """Reads and parses `path`.
+
+        Raises:
+            ValueError: one line naming the file, for an unreadable file, invalid YAML, or
+                a layout that is neither flat nor sectioned.
+        """
+        name = str(path)
+        where = f"config file {name!r}"
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ValueError(f"{where}: cannot be read: {err.strerror or err}") from None
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{where}: not valid YAML{_yaml_problem(err)}") from None
+        values = {} if values is None else values
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{where}: expected keys at the top level, got {type(values).__name__} "
+                             f"{_short(values)}")
+        if SECTION not in values and not any(isinstance(v, Mapping) for v in values.values()):
+            return cls(name, {SECTION: dict(values)}, sectioned=False)
+        sections: dict[str, Mapping[str, Any]] = {}
+        for key, section in values.items():
+            if section is not None and not isinstance(section, Mapping):
+                hint = f"; put it under '{SECTION}:'" if key in Config.keys() else ""
+                raise ValueError(f"{where}: key {key!r} is not a section (a mapping of keys), got "
+                                 f"{_short(section)}{hint}")
+            sections[str(key)] = dict(section or {})
+        return cls(name, sections, sectioned=True)
+
+    def where(self, section: str) -> str:
+        """Where a key of `section` comes from, for error messages."""
+        return f"config file {self.path!r}" + (f", section {section!r}" if self.sectioned else "")
+
+    def section(self, name: str) -> Mapping[str, Any]:
+        """The keys of section `name`; empty if the file has no such section."""
+        return self.sections.get(name, {})
+
+    def check_sections(self, known: tuple[str, ...]) -> None:
+        """Raises ValueError, naming the file, for a section outside `known` (e.g. a typo)."""
+        check_keys(self.sections, known, source=f"config file {self.path!r}: sections")
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or first_line(err)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{at}: {problem}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def format_size(nbytes: int | None) -> str:
@@ -119,8 +237,10 @@ def _parse_float(value: Any, *, key: str) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{key}: expected a number, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
-        raise ValueError(f"{key}: expected a finite number >= 0, got {value!r}")
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    if number < 0:
+        raise ValueError(f"{key}: must not be negative, got {value!r}")
     return number
 
 
@@ -135,7 +255,8 @@ def _parse_passes(value: Any, *, key: str) -> tuple[str, ...]:
         raise ValueError(f"{key}: expected a list of pass stages, got {value!r}")
     for name in names:
         if name not in PASS_STAGES:
-            raise ValueError(f"{key}: unknown pass stage {name!r}; known stages: {', '.join(PASS_STAGES)}")
+            raise ValueError(f"{key}: unknown pass stage {name!r}{did_you_mean(name, PASS_STAGES)}; "
+                             f"known stages: {', '.join(PASS_STAGES)}")
     return tuple(name for name in PASS_STAGES if name in names)  # run order is fixed
 
 
@@ -144,10 +265,14 @@ class Config:
     """What tfmem may do to a function, and the memory limits it works to.
 
     Attributes:
-        tensor_size_threshold: a tensor larger than this (bytes) is split; None = never split.
-        tensor_split_size: the largest tensor a split loop body may hold; None = the threshold.
-        memory_budget: after splitting, keep splitting the largest tensors live at the
-            static peak until the estimate fits this many bytes; None = no budget.
+        memory_budget: the one knob: tfmem splits, and sizes chunks, until the whole
+            program's estimated peak fits this many bytes. None = the device's (a GPU's
+            memory, or the CPU allocator's `TF_CPU_BFC_MEM_LIMIT_IN_MB`; see `tfmem.budget`),
+            or no budget when the device offers none.
+        tensor_size_threshold: expert override: a tensor larger than this (bytes) is split
+            whether or not the budget needs it; None = let the budget decide.
+        tensor_split_size: expert override: the largest tensor a split loop body may
+            hold; None = the threshold, or whatever fits the budget.
         passes: the pipeline stages that run, a subset of `PASS_STAGES`.
         jit_compile: compile the rewritten graph with XLA.
         strict: raise instead of falling back to the original function when tfmem cannot
@@ -190,12 +315,9 @@ class Config:
         for key, parse in normalise.items():
             object.__setattr__(self, key, parse(getattr(self, key), key=key))
         threshold, split = self.tensor_size_threshold, self.tensor_split_size
-        if split is not None and threshold is None:
-            raise ValueError(f"tensor_split_size: set to {split} bytes but tensor_size_threshold is "
-                             "not set; the split size only applies once a threshold is set")
-        if self.memory_budget is not None and threshold is None:
-            raise ValueError(f"memory_budget: set to {self.memory_budget} bytes but tensor_size_threshold "
-                             "is not set; the budget is met by splitting, which the threshold turns on")
+        if split is not None and threshold is None and self.memory_budget is None:
+            raise ValueError(f"tensor_split_size: set to {split} bytes but neither tensor_size_threshold "
+                             "nor memory_budget is set; the split size only applies once one is")
         if split is not None and threshold is not None and split > threshold:
             raise ValueError(f"tensor_split_size: {split} bytes is larger than "
                              f"tensor_size_threshold ({threshold} bytes); it must be <= the threshold")
@@ -217,27 +339,66 @@ class Config:
         """Builds a config from a mapping of key → value, on top of `base` (default: defaults).
 
         Raises:
-            ValueError: for an unknown key (naming it and `source`) or a bad value.
+            ValueError: one line naming `source`, the key and the problem, for an unknown
+                key (with the closest known key) or a bad value.
         """
         check_keys(values, cls.keys(), source=source)
-        return dataclasses.replace(base or cls(), **dict(values))
+        try:
+            return dataclasses.replace(base or cls(), **dict(values))
+        except ValueError as err:  # the message names the key; say where it came from
+            raise ValueError(f"{source}: {err}") from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], *, base: Config | None = None) -> Config:
-        """Reads a YAML file of `key: value` lines (see `configs/default.yaml`).
+        """Reads a YAML file: flat `key: value` lines, or the `tfmem:` section of a sectioned file.
+
+        See `ConfigFile` for the two layouts; `configs/` holds one of each.
+
+        Example:
+            >>> Config.from_yaml("configs/low-memory.yaml").memory_budget
+            201326592
 
         Raises:
-            ValueError: if the file cannot be read or parsed, or holds a bad key or value.
+            ValueError: one line naming the file, the key and the problem.
         """
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ValueError(f"config file {str(path)!r} cannot be read: {err.strerror or err}") from None
-        try:
-            values = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
-        return cls.from_mapping(values or {}, base=base, source=f"config file {str(path)!r}")
+        return cls.from_file(ConfigFile.read(path), base=base)
+
+    @classmethod
+    def from_file(cls, file: ConfigFile, *, base: Config | None = None) -> Config:
+        """The config in an already read `ConfigFile` (its `tfmem` section)."""
+        if file.sectioned and SECTION not in file.sections:
+            # A section named like ours is a typo, not another tool's section.
+            typo = difflib.get_close_matches(SECTION, list(file.sections), n=1, cutoff=0.6)
+            if typo:
+                raise ValueError(f"config file {file.path!r}: no {SECTION!r} section; is section "
+                                 f"{typo[0]!r} a typo of {SECTION!r}?")
+        return cls.from_mapping(file.section(SECTION), base=base, source=file.where(SECTION))
+
+    @classmethod
+    def coerce(cls, value: Config | Mapping[str, Any] | str | os.PathLike[str] | None) -> Config | None:
+        """The one conversion of what users pass as `config=`: a Config, a mapping of its
+        keys, or a YAML path (flat or sectioned); None stays None (= the active config).
+
+        Example:
+            >>> Config.coerce({"tensor_size_threshold": "64MB"}).tensor_size_threshold
+            64000000
+            >>> Config.coerce("configs/sgpr.yaml") == Config.from_yaml("configs/sgpr.yaml")
+            True
+            >>> Config.coerce(None) is None
+            True
+
+        Raises:
+            ValueError: for a bad file, key or value (one line naming where it came from).
+            TypeError: for anything else.
+        """
+        if value is None or isinstance(value, Config):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_mapping(value)
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_yaml(value)
+        raise TypeError(f"config: expected a tfmem.Config, a mapping of its keys or a YAML path, "
+                        f"got {type(value).__name__}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *, base: Config | None = None) -> Config:
@@ -251,11 +412,12 @@ class Config:
             config = cls.from_yaml(environ[f"{ENV_PREFIX}CONFIG"], base=config)
         values = {key: environ[f"{ENV_PREFIX}{key.upper()}"] for key in cls.keys()
                   if f"{ENV_PREFIX}{key.upper()}" in environ}
-        unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX)
-                         and name[len(ENV_PREFIX):].lower() not in (*cls.keys(), "config"))
+        known = tuple(f"{ENV_PREFIX}{k.upper()}" for k in ("config", *cls.keys()))
+        unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
         if unknown:
-            raise ValueError(f"environment: unknown variable(s) {', '.join(unknown)}; known: "
-                             + ", ".join(f"{ENV_PREFIX}{k.upper()}" for k in ("config", *cls.keys())))
+            named = ", ".join(f"{name}{did_you_mean(name, known)}" for name in unknown)
+            raise ValueError(f"environment: unknown variable{'s' if len(unknown) > 1 else ''} {named}; "
+                             f"known: {', '.join(known)}")
         return cls.from_mapping(values, base=config, source="environment")
 
     @classmethod
@@ -322,10 +484,7 @@ def config_scope(config: Config | Mapping[str, Any] | str | os.PathLike[str]) ->
         ...     cfg.tensor_size_threshold
         64000000
     """
-    if isinstance(config, Mapping):
-        config = Config.from_mapping(config)
-    elif not isinstance(config, Config):
-        config = Config.from_yaml(config)
+    config = Config.coerce(config)
     token = _ACTIVE.set(config)
     try:
         yield config

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
@@ -53,6 +54,54 @@ _SCRATCH_FUNCTIONS: list[Any] = []
 def keep_functions_alive(scratch: tf.Graph) -> None:
     """Keeps the functions a scratch graph holds alive for the rest of the process."""
     _SCRATCH_FUNCTIONS.extend(scratch._functions.values())  # noqa: SLF001 - no public accessor
+
+
+_FRAGMENT_INPUT = "tfmem_fragment_input_"
+_STALE_ATTRS = ("_output_shapes", "_class")
+
+
+def _copy_node(original: node_def_pb2.NodeDef, name: str, *, keep_shapes: bool = False) -> node_def_pb2.NodeDef:
+    """A copy named `name`, without the attrs that tie it to its graph (stale shapes,
+    colocation with nodes another graph does not have) unless `keep_shapes`."""
+    node = node_def_pb2.NodeDef()
+    node.CopyFrom(original)
+    node.name = name
+    for attr in () if keep_shapes else _STALE_ATTRS:
+        if attr in node.attr:
+            del node.attr[attr]
+    return node
+
+
+def _const_node(name: str, value: Any) -> node_def_pb2.NodeDef:
+    value = np.asarray(value)
+    node = node_def_pb2.NodeDef(name=name, op="Const")
+    node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    return node
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragment:
+    """Nodes cut out of a Graph (`Graph.fragment`), ready to import into another graph.
+
+    Attributes:
+        graph_def: the nodes, reading their outside inputs by feed name.
+        feeds: feed key → its feed name, for the feeds the nodes read.
+    """
+
+    graph_def: graph_pb2.GraphDef
+    feeds: Mapping[Hashable, str]
+
+    def import_into(self, values: Mapping[Hashable, tf.Tensor], returns: Sequence[TensorRef], *,
+                    name: str = "fragment") -> list[tf.Tensor]:
+        """Imports the fragment into the current (default) graph, feeding `values`.
+
+        `values` must hold a tensor for every feed key (extra ones are ignored); returns
+        the tensors named by `returns` (refs into the fragment's nodes).
+        """
+        input_map = {f"{feed}:0": values[key] for key, feed in self.feeds.items()}
+        return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map,
+                                              return_elements=[r.name for r in returns], name=name)
 
 
 class GraphError(ValueError):
@@ -162,14 +211,37 @@ class Graph:
         self.versions.CopyFrom(graph_def.versions)
         self.outputs: list[TensorRef] = [TensorRef.parse(o) for o in outputs]
         self.keep: set[str] = set(keep)
+        # Caches, dropped by `_changed`: whole-graph ones always, per-node ones for the nodes named.
         self._consumer_index: dict[str, list[tuple[str, int]]] | None = None
-        self._topological: list[str] | None = None  # both caches are dropped by `_changed`
+        self._topological: list[str] | None = None
+        self._parsed: dict[str, tuple[list[TensorRef], list[str], list[str]]] = {}
+        self._specs: dict[str, list[tf.TensorSpec]] = {}
         self._name_counter = 0
 
     # --- reading ------------------------------------------------------------------
 
     def copy(self) -> Graph:
-        return Graph(self.to_graph_def(), outputs=self.outputs, keep=self.keep)
+        """An independent copy (what is cached about the nodes is shared: it is never edited
+        in place, only dropped)."""
+        copy = Graph.__new__(Graph)
+        copy._nodes = {name: _copy_node(node, name, keep_shapes=True) for name, node in self._nodes.items()}
+        copy.library = function_pb2.FunctionDefLibrary()
+        copy.library.CopyFrom(self.library)
+        copy.versions = self.versions.__class__()
+        copy.versions.CopyFrom(self.versions)
+        copy.outputs, copy.keep = list(self.outputs), set(self.keep)
+        copy._consumer_index, copy._topological = self._consumer_index, self._topological
+        copy._parsed, copy._specs = dict(self._parsed), dict(self._specs)
+        copy._name_counter = self._name_counter
+        return copy
+
+    def assign(self, other: Graph) -> None:
+        """Makes this graph a copy of `other` (to roll an edit back to a saved copy)."""
+        copy = other.copy()
+        self._nodes, self.library, self.versions = copy._nodes, copy.library, copy.versions
+        self.outputs, self.keep = copy.outputs, copy.keep
+        self._consumer_index, self._topological = copy._consumer_index, copy._topological
+        self._parsed, self._specs, self._name_counter = copy._parsed, copy._specs, copy._name_counter
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -190,10 +262,19 @@ class Graph:
 
     def inputs(self, name: str) -> list[TensorRef]:
         """The data inputs of a node, in order."""
-        return _split_inputs(self.node(name))[0]
+        return list(self._parse(name)[0])
 
     def control_inputs(self, name: str) -> list[str]:
-        return _split_inputs(self.node(name))[1]
+        return list(self._parse(name)[1])
+
+    def _parse(self, name: str) -> tuple[list[TensorRef], list[str], list[str]]:
+        """(data inputs, control inputs, producers once each) of node `name`, parsed once."""
+        parsed = self._parsed.get(name)
+        if parsed is None:
+            data, control = _split_inputs(self.node(name))
+            parsed = (data, control, list(dict.fromkeys([r.node for r in data] + control)))
+            self._parsed[name] = parsed
+        return parsed
 
     def control_dependants(self, name: str) -> list[str]:
         """Nodes that wait on `name` by a control edge (a rewrite removing it would drop them)."""
@@ -217,6 +298,11 @@ class Graph:
 
     def output_specs(self, name: str) -> list[tf.TensorSpec]:
         """The static dtype and shape of each output of a node."""
+        if name not in self._specs:
+            self._specs[name] = self._output_specs(name)
+        return self._specs[name]
+
+    def _output_specs(self, name: str) -> list[tf.TensorSpec]:
         node = self.node(name)
         dtypes = output_dtypes(node, self.library)
         shapes = list(node.attr["_output_shapes"].list.shape) if "_output_shapes" in node.attr else []
@@ -251,21 +337,67 @@ class Graph:
 
     # --- order --------------------------------------------------------------------
 
-    def topological_order(self) -> list[str]:
-        """Node names, producers first; ties keep the order nodes were added in.
+    def topological_order(self, priority: Callable[[str], Any] | None = None, *,
+                          reprioritize: Callable[[str], Iterable[str]] | None = None) -> list[str]:
+        """Node names, producers first.
+
+        Args:
+            priority: a list scheduler's key: among the nodes whose producers have all run,
+                the one with the smallest `priority(node)` runs next (ties: graph order).
+                None: ties keep the order nodes were added in (cached).
+            reprioritize: called with each node as it is scheduled; returns the nodes
+                whose priority that changed (e.g. the memory estimate's "frees most
+                first": running a node can make its producers' last reader free them).
 
         Raises:
             GraphError: if the graph has a cycle or an input names a missing node.
         """
+        if priority is not None:
+            return self._schedule(priority, reprioritize)
         if self._topological is None:
             self._topological = self._sort()
         return list(self._topological)
 
+    def producers(self, name: str) -> list[str]:
+        """Nodes `name` reads data from or waits on by control edge, each once, in input order."""
+        return self._parse(name)[2]
+
+    def _schedule(self, priority: Callable[[str], Any],
+                  reprioritize: Callable[[str], Iterable[str]] | None) -> list[str]:
+        base = self.topological_order()
+        position = {name: i for i, name in enumerate(base)}
+        waiting = {name: len(self.producers(name)) for name in base}
+        current: dict[str, Any] = {}  # the key each waiting-to-run node is queued under
+        heap: list[tuple[Any, int, str]] = []
+
+        def push(name: str) -> None:
+            current[name] = priority(name)
+            heapq.heappush(heap, (current[name], position[name], name))
+
+        for name in base:
+            if waiting[name] == 0:
+                push(name)
+        order: list[str] = []
+        while heap:
+            key, _, name = heapq.heappop(heap)
+            if name not in current or current[name] != key:
+                continue  # scheduled already, or queued again under a new key
+            del current[name]
+            order.append(name)
+            for changed in (reprioritize(name) if reprioritize else ()):
+                if changed in current:
+                    push(changed)
+            for consumer in self.node_consumers(name):
+                waiting[consumer] -= 1
+                if waiting[consumer] == 0:
+                    push(consumer)
+        return order
+
     def _sort(self) -> list[str]:
         position = {name: i for i, name in enumerate(self._nodes)}
         pending: dict[str, int] = {}
-        for name, node in self._nodes.items():
-            producers = {TensorRef.parse(text.lstrip("^")).node for text in node.input}
+        for name in self._nodes:
+            producers = set(self.producers(name))
             missing = producers - position.keys()
             if missing:
                 raise GraphError(f"node {name!r} reads missing node(s) {sorted(missing)}")
@@ -290,26 +422,29 @@ class Graph:
         # producer node → [(consumer node, data input position or -1 for control)]
         if self._consumer_index is None:
             index: dict[str, list[tuple[str, int]]] = {}
-            for name, node in self._nodes.items():
-                data_position = 0
-                seen_producers: set[str] = set()
-                for text in node.input:
-                    if text.startswith("^"):
-                        producer, position = text[1:], -1
-                    else:
-                        producer, position = TensorRef.parse(text).node, data_position
-                        data_position += 1
-                    if position >= 0 or producer not in seen_producers:
-                        index.setdefault(producer, []).append((name, position))
-                    seen_producers.add(producer)
+            for name in self._nodes:
+                data, control, _ = self._parse(name)
+                for position, ref in enumerate(data):
+                    index.setdefault(ref.node, []).append((name, position))
+                readers = {ref.node for ref in data}
+                for producer in dict.fromkeys(control):
+                    if producer not in readers:  # a control edge beside a data edge adds nothing
+                        index.setdefault(producer, []).append((name, -1))
             self._consumer_index = index
         return self._consumer_index
 
     # --- editing ------------------------------------------------------------------
 
-    def _changed(self) -> None:
+    def _changed(self, *names: str) -> None:
+        """Drops the caches an edit invalidates: the whole-graph ones, and what is cached
+        about the nodes `names` (edited, added or gone); with no names, about every node."""
         self._consumer_index = None
         self._topological = None
+        if not names:
+            self._parsed, self._specs = {}, {}
+        for name in names:
+            self._parsed.pop(name, None)
+            self._specs.pop(name, None)
 
     def unique_name(self, base: str) -> str:
         """A node name not yet in the graph, derived from `base`."""
@@ -327,15 +462,43 @@ class Graph:
         copy.CopyFrom(node)
         copy.name = self.unique_name(node.name)
         self._nodes[copy.name] = copy
-        self._changed()
+        self._changed(copy.name)
         return copy.name
+
+    def replace_node(self, node: node_def_pb2.NodeDef) -> None:
+        """Puts `node` (copied) in place of the node of the same name; readers stay wired to it."""
+        self.node(node.name)  # must exist
+        self._nodes[node.name] = _copy_node(node, node.name, keep_shapes=True)
+        self._changed(node.name)
+
+    def placeholder_like(self, name: str, *, unknown_dims: bool = False) -> node_def_pb2.NodeDef:
+        """A `Placeholder` NodeDef with the name, dtype and shape of node `name`'s one output.
+
+        With `unknown_dims`, every dimension is left unknown (the rank stays): a tool that
+        feeds placeholders with made-up values of their shape (Grappler does) then feeds
+        a tiny tensor instead of a large one.
+        """
+        (spec,) = self.output_specs(name)
+        shape = tf.TensorShape([None] * spec.shape.rank) if unknown_dims else spec.shape
+        node = node_def_pb2.NodeDef(name=name, op="Placeholder")
+        node.attr["dtype"].type = spec.dtype.as_datatype_enum
+        node.attr["shape"].shape.CopyFrom(shape.as_proto())
+        node.attr["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
+        return node
+
+    def replace_with_constant(self, name: str, value: Any) -> None:
+        """Makes node `name` a `Const` holding `value` (same name; control inputs kept)."""
+        const = _const_node(name, value)
+        const.input.extend(f"^{producer}" for producer in self.control_inputs(name))
+        const.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape(np.shape(value)).as_proto())
+        self.replace_node(const)
 
     def set_input(self, name: str, position: int, tensor: TensorRef) -> None:
         """Points data input `position` of node `name` at `tensor`."""
         node = self.node(name)
         data_positions = [i for i, text in enumerate(node.input) if not text.startswith("^")]
         node.input[data_positions[position]] = tensor.as_input()
-        self._changed()
+        self._changed(name)
 
     def remove_control_input(self, name: str, producer: str) -> bool:
         """Drops the control edge `^producer` from node `name`. Returns whether it was there."""
@@ -345,7 +508,7 @@ class Graph:
             return False
         del node.input[:]
         node.input.extend(kept)
-        self._changed()
+        self._changed(name)
         return True
 
     def infer_shapes(self) -> int:
@@ -406,6 +569,7 @@ class Graph:
                 attr.ClearField("list")
                 attr.list.shape.extend(shapes)
                 changed += 1
+        self._specs = {}
         return changed
 
     def replace_all_uses(self, old: TensorRef | str, new: TensorRef | str) -> int:
@@ -434,7 +598,7 @@ class Graph:
             raise GraphError(f"cannot remove {name!r}: it produces a graph output")
         del self._nodes[name]
         self.keep.discard(name)
-        self._changed()
+        self._changed(name)
 
     def prune(self) -> list[str]:
         """Removes nodes that no output, kept node or stateful op needs. Returns their names."""
@@ -448,12 +612,12 @@ class Graph:
             if name in needed:
                 continue
             needed.add(name)
-            stack.extend(TensorRef.parse(t.lstrip("^")).node for t in self._nodes[name].input)
+            stack.extend(self.producers(name))
         dead = [n for n in self._nodes if n not in needed]
         for name in dead:
             del self._nodes[name]
         if dead:
-            self._changed()
+            self._changed(*dead)
         return dead
 
     def splice(self, build: Callable[..., Any], inputs: Sequence[TensorRef | str], *,
@@ -477,7 +641,7 @@ class Graph:
         fragment = scratch.as_graph_def(add_shapes=True)
         keep_functions_alive(scratch)
         by_placeholder = {p.op.name: r for p, r in zip(placeholders, refs)}
-        prefix = self._unique_scope(scope)
+        prefix = self.unique_scope(scope)
         renamed = {n.name: f"{prefix}/{n.name}" for n in fragment.node if n.name not in by_placeholder}
 
         def rewire(text: str) -> str:
@@ -500,7 +664,7 @@ class Graph:
             new.input.extend(rewire(t) for t in node.input)
             self._nodes[new.name] = new
         self.merge_library(fragment.library)
-        self._changed()
+        self._changed(*renamed.values())
         result_refs = []
         for tensor in outputs:
             name = tensor.op.name
@@ -510,9 +674,12 @@ class Graph:
                 result_refs.append(TensorRef(renamed[name], tensor.value_index))
         return result_refs
 
-    def _unique_scope(self, base: str) -> str:
-        # A name scope no node lives under yet: `unique_name` alone would hand a second
-        # splice the same scope, and its nodes would overwrite the first splice's.
+    def unique_scope(self, base: str) -> str:
+        """A name scope no node lives under yet (`base`, or `base_1`, `base_2`, ...).
+
+        `unique_name` alone would hand a second splice the same scope, and its nodes
+        would overwrite the first splice's.
+        """
         taken = {name.split("/", 1)[0] for name in self._nodes}
         scope, counter = base, 0
         while scope in taken:
@@ -532,21 +699,6 @@ class Graph:
         if node is None or node.op != "Const" or tensor.index != 0:
             return None
         return tf.make_ndarray(node.attr["value"].tensor)
-
-    def sole_consumer(self, tensor: TensorRef | str) -> tuple[str, int] | None:
-        """`(node, input position)` of the only reader of `tensor`, or None.
-
-        None when the tensor has several data readers, any control dependant, is a graph
-        output, or its node must be kept: then a rewrite that consumes it is not
-        self-contained, because the tensor is materialised anyway.
-        """
-        tensor = TensorRef.parse(tensor)
-        if self.is_output(tensor) or tensor.node in self.keep:
-            return None
-        uses = self.consumers(tensor)
-        if len(uses) != 1 or any(position < 0 for _, position in self._consumers().get(tensor.node, ())):
-            return None
-        return uses[0]
 
     def merge_library(self, library: function_pb2.FunctionDefLibrary) -> None:
         """Adds the functions (and gradients) of `library` that this graph lacks."""
@@ -592,13 +744,111 @@ class Graph:
         if problems:
             raise GraphError("; ".join(problems[:10]))
 
-    def to_graph_def(self) -> graph_pb2.GraphDef:
-        """A new GraphDef, nodes in topological order, with library and versions."""
+    def to_graph_def(self, *, drop: Iterable[str] = ()) -> graph_pb2.GraphDef:
+        """A new GraphDef, nodes in topological order, with library and versions.
+
+        Args:
+            drop: nodes to leave out, with every control edge to them (a control edge
+                on a missing node would not import). Data inputs that name them stay:
+                the importer binds those through its `input_map` (how the wrapper feeds
+                arguments without importing their placeholders, which XLA cannot run).
+        """
+        drop = set(drop)
         graph_def = graph_pb2.GraphDef()
-        graph_def.node.extend(self._nodes[n] for n in self.topological_order())
+        for name in self.topological_order():
+            if name in drop:
+                continue
+            node = self._nodes[name]
+            if drop and any(text.startswith("^") and text[1:] in drop for text in node.input):
+                node = _copy_node(node, name)
+                kept = [text for text in node.input if not (text.startswith("^") and text[1:] in drop)]
+                del node.input[:]
+                node.input.extend(kept)
+            graph_def.node.append(node)
         graph_def.library.CopyFrom(self.library)
         graph_def.versions.CopyFrom(self.versions)
         return graph_def
+
+    def fragment(self, nodes: Sequence[str], *,
+                 feed: Callable[[str, int, TensorRef], Hashable] | None = None,
+                 constants: Mapping[tuple[str, int], Any] | None = None,
+                 inline: Iterable[Hashable] = ()) -> Fragment:
+        """Cuts `nodes` out as a GraphDef of their own, to be imported elsewhere.
+
+        The split loops import a region's fragment once per chunk. Inputs from outside
+        the fragment become named feeds (`Fragment.import_into`); control edges are
+        dropped (callers only cut nodes without them), as are the attrs that tie nodes
+        to this graph (stale `_output_shapes`, `_class` colocation).
+
+        Args:
+            nodes: the nodes to copy, in topological order.
+            feed: `(node, input position, tensor) → key` of the feed an outside input
+                comes from; positions with equal keys share a feed. Default: the tensor
+                (so a tensor read twice is fed once); a loop feeding one tensor both
+                sliced and whole gives the two different keys.
+            constants: `(node, input position) → value`: that input becomes a new `Const`
+                (e.g. a reshape's target shape, rewritten for a chunk).
+            inline: feed keys of small `Const`s to copy in rather than feed, so that shape
+                arguments stay constant and shape inference keeps every dimension.
+
+        Example:
+            >>> frag = graph.fragment(["exp", "sum"])
+            >>> [out] = frag.import_into({TensorRef("x"): chunk}, [TensorRef("sum")])
+        """
+        inside = set(nodes)
+        constants = dict(constants or {})
+        inline = set(inline)
+        key_of = feed or (lambda name, position, ref: ref)
+        feed_names: dict[Hashable, str] = {}
+        graph_def = graph_pb2.GraphDef()
+        graph_def.versions.CopyFrom(self.versions)
+        for name in nodes:
+            node = _copy_node(self.node(name), name)
+            del node.input[:]
+            for position, ref in enumerate(self.inputs(name)):
+                if (name, position) in constants:
+                    const = _const_node(f"{name}/tfmem_chunk_{position}", constants[(name, position)])
+                    graph_def.node.append(const)
+                    node.input.append(const.name)
+                    continue
+                if ref.node in inside:
+                    node.input.append(ref.as_input())
+                    continue
+                key = key_of(name, position, ref)
+                if key not in feed_names:
+                    feed_names[key] = f"{_FRAGMENT_INPUT}{len(feed_names)}"
+                    if key in inline:  # the constant itself, under the feed's name
+                        const = _copy_node(self.node(ref.node), feed_names[key])
+                        del const.input[:]
+                        graph_def.node.append(const)
+                node.input.append(feed_names[key] if key in inline else TensorRef(feed_names[key]).as_input())
+            graph_def.node.append(node)
+        return Fragment(graph_def, {key: name for key, name in feed_names.items() if key not in inline})
+
+    def while_passthrough(self, name: str) -> dict[int, int]:
+        """Outputs of a `While` node that are its inputs handed through unchanged: index → index.
+
+        A loop's invariants (e.g. captured tensors) are loop variables its body returns as
+        they came; the loop's outputs then share their buffers and allocate nothing.
+        """
+        node = self.node(name)
+        if node.op not in ("While", "StatelessWhile") or self.function(node.attr["body"].func.name) is None:
+            return {}
+        body = self.function(node.attr["body"].func.name)
+        args = {arg.name: i for i, arg in enumerate(body.signature.input_arg)}
+        producers = {n.name: n for n in body.node_def}
+        passed = {}
+        for index, out in enumerate(body.signature.output_arg):
+            # FunctionDef tensors are "node:output_arg:index"; follow Identity chains back.
+            source = body.ret[out.name]
+            while source not in args:
+                producer = producers.get(source.split(":")[0])
+                if producer is None or producer.op != "Identity":
+                    break
+                source = producer.input[0]
+            if args.get(source) == index:
+                passed[index] = index
+        return passed
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -5,10 +5,17 @@ it starts, so every trial needs its own process. The child imports the target by
 calls it, and reports the allocator's peak, its resident-set high-water mark, the
 return value (numpy-converted) and whether it ran out of memory.
 
+Time limits scale with the machine: the child times its own TensorFlow import and
+tells the parent, and the limit on the rest of the trial is `timeout` multiplied by how
+much slower that import was than on an unloaded machine (`REFERENCE_STARTUP_SECONDS`).
+A busy shared machine gets proportionally more time instead of spurious timeouts.
+
 Example:
-    >>> result = run_isolated("benchmarks.cases:kernel_matmul", n=20000, memory_limit_mb=512)
-    >>> result.status, result.peak_bytes
-    ('oom', None)
+    >>> result = run_isolated("tfmem.examples:allocate", 16, memory_limit_mb=64)
+    >>> result.status, result.value
+    ('ok', 4194304.0)
+    >>> run_isolated("tfmem.examples:allocate", 256, memory_limit_mb=64).status
+    'oom'
 """
 from __future__ import annotations
 
@@ -19,10 +26,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 Status = Literal["ok", "oom", "error", "timeout"]
+
+# Seconds a fresh Python takes to import TensorFlow 2.21 on an unloaded 2-core machine
+# (measured 2.4-3.9 s); a slower start-up means a busier machine, and longer limits.
+REFERENCE_STARTUP_SECONDS = 3.0
+# A start-up this many times slower than that means a stuck child, not a busy machine.
+STARTUP_SLOWDOWN_LIMIT = 20
 
 _OOM_MARKERS = ("ResourceExhaustedError", "RESOURCE_EXHAUSTED", "Out of memory", "OOM when allocating",
                 "MemoryError")
@@ -41,6 +55,9 @@ class IsolatedResult:
         baseline_rss_bytes: its resident set after importing TensorFlow, before the call.
         error: the error's type and message.
         seconds: wall time of the call itself (not the process start).
+        startup_seconds: how long the child took to import TensorFlow (None if it never did).
+        time_limit_seconds: the limit applied to the trial after start-up (`timeout`
+            scaled by the measured start-up), None without a limit.
     """
 
     status: Status
@@ -50,6 +67,8 @@ class IsolatedResult:
     baseline_rss_bytes: int | None = None
     error: str | None = None
     seconds: float | None = None
+    startup_seconds: float | None = None
+    time_limit_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -80,7 +99,13 @@ def run_isolated(target: str | Callable[..., Any], *args: Any, memory_limit_mb: 
     Args:
         target: "module:function", or an importable module-level function.
         memory_limit_mb: the allocator's limit; exceeding it is status "oom". None = no limit.
-        timeout: seconds before the child is killed (status "timeout").
+            On a machine with a GPU the trial runs there, under a logical device with this
+            `memory_limit`; otherwise on the CPU, under `TF_CPU_BFC_MEM_LIMIT_IN_MB`.
+        timeout: seconds the trial may take on an unloaded machine. After the child's
+            own TensorFlow start-up (which may take up to `STARTUP_SLOWDOWN_LIMIT` times
+            the usual, or `timeout` if longer), the rest gets
+            `timeout * max(1, startup / REFERENCE_STARTUP_SECONDS)`. Past either limit
+            the child is killed and the status is "timeout". None = no limit.
         env: extra environment variables for the child.
         *args, **kwargs: passed to the target; must pickle.
     """
@@ -96,21 +121,63 @@ def run_isolated(target: str | Callable[..., Any], *args: Any, memory_limit_mb: 
     with tempfile.TemporaryDirectory(prefix="tfmem-isolated-") as tmp:
         request, response = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "response.pkl")
         with open(request, "wb") as f:
-            pickle.dump((_target_name(target), args, kwargs), f)
-        try:
-            proc = subprocess.run([sys.executable, "-m", "tfmem._isolated_worker", request, response],
-                                  env=child_env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return IsolatedResult("timeout", error=f"no result within {timeout} s")
+            pickle.dump((_target_name(target), args, kwargs, memory_limit_mb), f)
+        # Files, not pipes, take the child's output: nothing blocks while we watch the clock.
+        with open(os.path.join(tmp, "stdout"), "w+") as out, open(os.path.join(tmp, "stderr"), "w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "tfmem._isolated_worker", request, response],
+                                    env=child_env, stdout=out, stderr=err, text=True)
+            startup_limit = None if timeout is None else \
+                max(timeout, STARTUP_SLOWDOWN_LIMIT * REFERENCE_STARTUP_SECONDS)
+            startup, limit, expired = _wait(proc, Path(response + ".started"), timeout, startup_limit)
+            if expired is not None:
+                return IsolatedResult("timeout", error=expired, startup_seconds=startup,
+                                      time_limit_seconds=limit)
+            err.seek(0)
+            stderr_text = err.read()
         if os.path.exists(response):
             with open(response, "rb") as f:
-                return IsolatedResult(**pickle.load(f))
-    stderr = proc.stderr.strip().splitlines()
+                outcome = pickle.load(f)
+            return IsolatedResult(**outcome, startup_seconds=startup, time_limit_seconds=limit)
+    stderr = stderr_text.strip().splitlines()
     message = stderr[-1] if stderr else f"exit code {proc.returncode}"
-    if proc.returncode in (-9, 137) or any(m in proc.stderr for m in _OOM_MARKERS):
+    if proc.returncode in (-9, 137) or any(m in stderr_text for m in _OOM_MARKERS):
         # Killed by the kernel's OOM killer, or died inside the allocator.
-        return IsolatedResult("oom", error=f"process died: {message}")
-    return IsolatedResult("error", error=f"process died (exit {proc.returncode}): {message}")
+        return IsolatedResult("oom", error=f"process died: {message}", startup_seconds=startup)
+    return IsolatedResult("error", error=f"process died (exit {proc.returncode}): {message}",
+                          startup_seconds=startup)
+
+
+def _wait(proc: subprocess.Popen[str], started: Path, timeout: float | None,
+          startup_limit: float | None) -> tuple[float | None, float | None, str | None]:
+    """Waits for the child: `(startup seconds, limit after start-up, why it was killed or None)`.
+
+    The child writes its TensorFlow import time to `started`; until then the limit is
+    `startup_limit`, afterwards `timeout` scaled by how slow that start-up was.
+    """
+    begin = time.monotonic()
+    startup: float | None = None
+    while True:
+        try:
+            proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if startup is None and started.exists():  # the child renames it into place whole
+            startup = float(started.read_text())
+        limit = None if timeout is None or startup is None else \
+            timeout * max(1.0, startup / REFERENCE_STARTUP_SECONDS)
+        if proc.returncode is not None:
+            return startup, limit, None
+        elapsed = time.monotonic() - begin
+        if startup_limit is not None and startup is None and elapsed > startup_limit:
+            why = f"TensorFlow did not start within {startup_limit:.0f} s"
+        elif limit is not None and startup is not None and elapsed - startup > limit:
+            why = (f"no result within {limit:.0f} s after start-up ({timeout:.0f} s, scaled by the "
+                   f"measured start-up of {startup:.1f} s)")
+        else:
+            continue
+        proc.kill()
+        proc.wait()
+        return startup, limit, why
 
 
 def classify_error(err: BaseException) -> Status:
@@ -119,14 +186,33 @@ def classify_error(err: BaseException) -> Status:
     return "oom" if any(marker in text for marker in _OOM_MARKERS) else "error"
 
 
+def _limit_gpu(tf: Any, memory_limit_mb: int | None) -> str:
+    """The device a trial measures: the first GPU (limited to `memory_limit_mb` through a
+    logical device, before TensorFlow initialises it) if there is one, else the CPU."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return "CPU:0"
+    if memory_limit_mb is not None:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(memory_limit_mb))])
+    return "GPU:0"
+
+
 def _child_main(request_path: str, response_path: str) -> None:
     import importlib
     import resource
 
+    begin = time.perf_counter()
     import tensorflow as tf
 
+    # Tell the parent how long start-up took: it scales the trial's time limit.
+    started = Path(response_path + ".started")
+    started.with_suffix(".tmp").write_text(f"{time.perf_counter() - begin:.3f}")
+    started.with_suffix(".tmp").replace(started)
+
     with open(request_path, "rb") as f:
-        name, args, kwargs = pickle.load(f)
+        name, args, kwargs, memory_limit_mb = pickle.load(f)
+    device = _limit_gpu(tf, memory_limit_mb)
     module_name, _, qualname = name.partition(":")
     target: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
@@ -137,7 +223,7 @@ def _child_main(request_path: str, response_path: str) -> None:
 
     def peak() -> int | None:
         try:
-            return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+            return int(tf.config.experimental.get_memory_info(device)["peak"])
         except (ValueError, tf.errors.OpError):
             return None
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from tfmem.config import format_size
+from tfmem.errors import first_line
 from tfmem.graph import ALIASING_OPS, Graph, TensorRef, keep_functions_alive
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,12 @@ class MemoryEstimate:
     live_at_peak: tuple[LiveTensor, ...]
     unknown: tuple[str, ...] = ()
     nested_peak_bytes: int = 0
+    steps: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def at(self, node: str) -> tuple[int, int]:
+        """`(live, nested)` bytes while `node` runs: its graph's live buffers, and what the
+        functions it calls (a loop's body) need beyond them."""
+        return self.steps.get(node, (0, 0))
 
     def __str__(self) -> str:
         top = ", ".join(str(t) for t in self.live_at_peak[:3])
@@ -81,11 +89,17 @@ def estimate_memory(graph: Graph | graph_pb2.GraphDef, *, outputs: Any = ()) -> 
     return _Estimator(graph).run()
 
 
+# (function name, argument shapes) → (peak bytes beyond its arguments, unknown tensors).
+# Library function names are unique in a process, and estimating a body means importing
+# it into a scratch graph: every estimate of a graph with loops would pay that again.
+_FUNCTION_BYTES: dict[tuple[str, tuple[Any, ...]], tuple[int, tuple[str, ...]]] = {}
+
+
 class _Estimator:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.unknown: list[str] = []
-        self._function_cache: dict[tuple[str, tuple[Any, ...]], int] = {}
+        self._function_cache = _FUNCTION_BYTES
         self._sizes: dict[TensorRef, int] = {}  # the schedule and the sweep both ask
 
     def _bytes(self, ref: TensorRef) -> int:
@@ -117,7 +131,7 @@ class _Estimator:
         for name in order:
             node = graph.node(name)
             inputs = graph.inputs(name)
-            passed = loop_passthrough(graph, name)
+            passed = graph.while_passthrough(name)
             for index in range(len(graph.output_specs(name))):
                 ref = TensorRef(name, index)
                 if node.op in ALIASING_OPS and inputs or index in passed:
@@ -142,8 +156,10 @@ class _Estimator:
             delta[last_use[buffer] + 1] -= nbytes
         nested = [self._nested_bytes(name) for name in order]
         live, peak, peak_step = 0, -1, 0
+        steps: dict[str, tuple[int, int]] = {}
         for i in range(end):
             live += delta[i]
+            steps[order[i]] = (live, nested[i])
             if live + nested[i] > peak:
                 peak, peak_step = live + nested[i], i
         if not order:
@@ -155,7 +171,7 @@ class _Estimator:
         return MemoryEstimate(peak_bytes=max(peak, 0), peak_node=order[peak_step],
                               live_at_peak=tuple(live_at_peak),
                               unknown=tuple(dict.fromkeys(self.unknown)),
-                              nested_peak_bytes=nested[peak_step])
+                              nested_peak_bytes=nested[peak_step], steps=steps)
 
     def _schedule(self) -> list[str]:
         """A topological order that, like XLA's scheduler, runs whatever frees most first.
@@ -166,32 +182,25 @@ class _Estimator:
         """
         graph = self.graph
         base = graph.topological_order()
-        position = {name: i for i, name in enumerate(base)}
-        producers = {n: {r.node for r in graph.inputs(n)} | set(graph.control_inputs(n)) for n in base}
-        readers: dict[str, int] = {n: 0 for n in base}
-        for n in base:
-            for p in producers[n]:
-                readers[p] += 1
-        waiting = {n: len(producers[n]) for n in base}
+        readers = {n: len(graph.node_consumers(n)) for n in base}
         out_bytes = {n: 0 if graph.node(n).op in RESIDENT_OPS | ALIASING_OPS else
                      sum(self._bytes(TensorRef(n, i)) for i in range(len(graph.output_specs(n))))
                      for n in base}
-        ready = {n for n in base if waiting[n] == 0}
-        order: list[str] = []
-        while ready:
-            def cost(n: str) -> tuple[int, int]:
-                freed = sum(out_bytes[p] for p in producers[n] if readers[p] == 1)
-                return out_bytes[n] - freed, position[n]
-            name = min(ready, key=cost)
-            ready.remove(name)
-            order.append(name)
-            for p in producers[name]:
+        unscheduled = set(base)
+
+        def priority(n: str) -> int:  # new bytes minus bytes it frees as the last reader
+            return out_bytes[n] - sum(out_bytes[p] for p in graph.producers(n) if readers[p] == 1)
+
+        def reprioritize(name: str) -> list[str]:
+            unscheduled.discard(name)
+            changed = []
+            for p in graph.producers(name):
                 readers[p] -= 1
-            for consumer in graph.node_consumers(name):
-                waiting[consumer] -= 1
-                if waiting[consumer] == 0:
-                    ready.add(consumer)
-        return order
+                if readers[p] == 1:  # its last reader now frees it
+                    changed += [c for c in graph.node_consumers(p) if c in unscheduled]
+            return changed
+
+        return graph.topological_order(priority, reprioritize=reprioritize)
 
     def _live_tensor(self, ref: TensorRef, nbytes: int) -> LiveTensor:
         spec = self.graph.spec(ref)
@@ -219,42 +228,19 @@ class _Estimator:
                        is not None else None for a in args)
         key = (function_name, shapes)
         if key not in self._function_cache:
-            self._function_cache[key] = 0  # guards against recursion
+            self._function_cache[key] = (0, ())  # guards against recursion
             try:
                 body = function_graph(self.graph, function_name, [self.graph.spec(a).shape for a in args])
                 inner = _Estimator(body)
                 estimate = inner.run()
-                self.unknown.extend(f"{function_name}/{u}" for u in inner.unknown)
                 arg_bytes = sum(inner._bytes(TensorRef(n.name)) for n in body.find("Placeholder"))
-                self._function_cache[key] = max(0, estimate.peak_bytes - arg_bytes)
+                self._function_cache[key] = (max(0, estimate.peak_bytes - arg_bytes),
+                                             tuple(f"{function_name}/{u}" for u in inner.unknown))
             except Exception as err:  # the estimate must never break the pipeline
                 logger.debug("cannot estimate function %s: %s", function_name, err)
-        return self._function_cache[key]
-
-
-def loop_passthrough(graph: Graph, name: str) -> dict[int, int]:
-    """Outputs of a `While` node that are its inputs handed through unchanged: index → index.
-
-    A loop's invariants (e.g. captured tensors) are loop variables its body returns as
-    they came; the loop's outputs then share their buffers and allocate nothing.
-    """
-    node = graph.node(name)
-    if node.op not in ("While", "StatelessWhile") or graph.function(node.attr["body"].func.name) is None:
-        return {}
-    body = graph.function(node.attr["body"].func.name)
-    args = {arg.name: i for i, arg in enumerate(body.signature.input_arg)}
-    nodes = {n.name: n for n in body.node_def}
-    passed = {}
-    for index, out in enumerate(body.signature.output_arg):
-        source = body.ret[out.name]
-        while source not in args:  # follow Identity chains back to an argument
-            producer = nodes.get(source.split(":")[0])
-            if producer is None or producer.op != "Identity":
-                break
-            source = producer.input[0]
-        if args.get(source) == index:
-            passed[index] = index
-    return passed
+        nbytes, unknown = self._function_cache[key]
+        self.unknown.extend(unknown)
+        return nbytes
 
 
 def function_graph(graph: Graph, function_name: str,
@@ -289,32 +275,67 @@ def function_graph(graph: Graph, function_name: str,
     return Graph(body_def, outputs=outputs)
 
 
-def planned_bytes_from_hlo_proto(serialized: bytes) -> int:
-    """XLA's "Total bytes used": the sum of the buffer allocations in an HloProto."""
+@dataclasses.dataclass(frozen=True)
+class XlaPlan:
+    """XLA's buffer assignment for one compiled program, in bytes.
+
+    Attributes:
+        total_bytes: XLA's "Total bytes used": every buffer allocation summed.
+        largest_bytes: the largest allocation the call makes itself (parameters and
+            constants excluded). XLA packs its temporaries into one block, and a growing
+            allocator (TensorFlow's BFC with growth, as on the CPU) needs that block in one
+            piece beside the regions it already holds: see `Budget.xla_overshoot`.
+    """
+
+    total_bytes: int
+    largest_bytes: int
+
+
+def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:
+    """The `XlaPlan` of a serialized HloProto (its `buffer_assignment`)."""
     from tensorflow.compiler.xla.service import hlo_pb2
 
     proto = hlo_pb2.HloProto()
     proto.ParseFromString(serialized)
-    return sum(allocation.size for allocation in proto.buffer_assignment.buffer_allocations)
+    allocations = proto.buffer_assignment.buffer_allocations
+    own = [a.size for a in allocations if not (a.is_entry_computation_parameter or a.is_constant)]
+    return XlaPlan(sum(a.size for a in allocations), max(own, default=0))
 
 
-def xla_planned_bytes(function: Any, *args: Any, **kwargs: Any) -> int | None:
-    """XLA's planned allocation for one call of a jit-compiled function, or None.
+def planned_bytes_from_hlo_proto(serialized: bytes) -> int:
+    """XLA's "Total bytes used": the sum of the buffer allocations in an HloProto."""
+    return xla_plan_from_hlo_proto(serialized).total_bytes
+
+
+def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:
+    """XLA's buffer assignment for one call of a jit-compiled function, or None.
 
     Works for a `tf.function(jit_compile=True)` and for a `tfmem.function` (which it
     asks for its compiled function). Returns None where XLA cannot compile it.
 
     Example:
         >>> f = tf.function(lambda x: x @ tf.transpose(x), jit_compile=True)
-        >>> xla_planned_bytes(f, tf.ones([1000, 10]))  # at least the 1000×1000 result
-        4040...
+        >>> xla_plan(f, tf.ones([1000, 10])).largest_bytes  # the 1000×1000 result
+        4000000
     """
-    if hasattr(function, "xla_planned_bytes"):
-        return function.xla_planned_bytes(*args, **kwargs)
+    if hasattr(function, "xla_plan"):
+        return function.xla_plan(*args, **kwargs)
     try:
         serialized = function.experimental_get_compiler_ir(*args, **kwargs)(
             stage="optimized_hlo_proto_serialized")
     except Exception as err:  # not jit-compiled, or XLA refuses it
-        logger.info("XLA planned bytes unavailable: %s", str(err).splitlines()[0] if str(err) else err)
+        logger.info("XLA planned bytes unavailable: %s", first_line(err))
         return None
-    return planned_bytes_from_hlo_proto(serialized)
+    return xla_plan_from_hlo_proto(serialized)
+
+
+def xla_planned_bytes(function: Any, *args: Any, **kwargs: Any) -> int | None:
+    """XLA's planned allocation ("Total bytes used") for one call, or None: see `xla_plan`.
+
+    Example:
+        >>> f = tf.function(lambda x: x @ tf.transpose(x), jit_compile=True)
+        >>> xla_planned_bytes(f, tf.ones([1000, 10]))  # at least the 1000×1000 result
+        4040...
+    """
+    plan = xla_plan(function, *args, **kwargs)
+    return plan.total_bytes if plan is not None else None

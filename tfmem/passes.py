@@ -24,7 +24,7 @@ import abc
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from tfmem.config import Config, format_size
@@ -32,7 +32,10 @@ from tfmem.graph import Graph, GraphError
 
 logger = logging.getLogger(__name__)
 
-RecordStatus = Literal["fired", "rejected", "split", "unsplit", "info"]
+RecordStatus = Literal["fired", "rejected", "info"]
+# What a record is about: a pattern or region rewrite, a split into a loop, the memory
+# budget, or housekeeping. Reports group by it; the status alone says what happened.
+RecordKind = Literal["rewrite", "split", "budget", "cleanup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +45,11 @@ class RewriteRecord:
     Attributes:
         pass_name: the pass that wrote it.
         rule: the rule or transformation (e.g. "ExpandSquaredDistance").
-        status: "fired", "rejected" (with `reason`), "split", "unsplit" or "info".
+        status: "fired" (the graph changed), "rejected" (with `reason`) or "info".
         nodes: the nodes concerned (the match's root first).
         reason: why a match was rejected or a tensor left unsplit.
         details: anything else worth reporting (chunk counts, byte sizes, ...).
+        kind: "rewrite", "split", "budget" or "cleanup".
     """
 
     pass_name: str
@@ -54,6 +58,7 @@ class RewriteRecord:
     nodes: tuple[str, ...] = ()
     reason: str = ""
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    kind: RecordKind = "rewrite"
 
     def __str__(self) -> str:
         where = f" at {self.nodes[0]}" if self.nodes else ""
@@ -81,6 +86,9 @@ class GraphPass(abc.ABC):
 
     name: ClassVar[str]
     stage: ClassVar[str]
+    # Runs in the first round only. For a pass whose output later rounds only tidy (the
+    # split stage's loops): running it again would split what it already split.
+    once: ClassVar[bool] = False
 
     @abc.abstractmethod
     def run(self, graph: Graph, config: Config) -> PassResult:
@@ -106,7 +114,7 @@ class PipelineResult:
 
     @property
     def modified(self) -> bool:
-        return any(r.status in ("fired", "split") for r in self.records)
+        return any(r.status == "fired" for r in self.records)
 
 
 class PassManager:
@@ -137,6 +145,8 @@ class PassManager:
         for iterations in range(1, self.max_iterations + 1):
             changed = False
             for graph_pass in self.passes:
+                if graph_pass.once and iterations > 1:
+                    continue
                 start = time.perf_counter()
                 try:
                     result = graph_pass.run(graph, config)
@@ -159,6 +169,44 @@ class PassManager:
         # reported every time: each firing changed the graph.)
         unique: dict[tuple[object, ...], RewriteRecord] = {}
         for index, r in enumerate(records):
-            changed = r.status in ("fired", "split")
+            changed = r.status == "fired"
             unique[(r.pass_name, r.rule, r.status, r.nodes, r.reason, index if changed else -1)] = r
         return PipelineResult(graph, list(unique.values()), seconds, iterations)
+
+
+# --- the registered pipeline --------------------------------------------------------
+
+PipelineFactory = Callable[[Config], Sequence[GraphPass]]
+_PIPELINE: list[PipelineFactory] = []
+ENTRY_POINT_GROUP = "tfmem.pipelines"
+
+
+def register_pipeline(factory: PipelineFactory) -> None:
+    """Makes `factory(config) -> passes` the pipeline every `tfmem.function` runs by default.
+
+    The engine does not import its passes: the `rewrites` package registers itself
+    through the `tfmem.pipelines` entry point (see setup.py); a program may register
+    its own pipeline instead.
+
+    Example:
+        >>> register_pipeline(lambda config: [MyCleanup(), *rewrites.passes_for(config)])
+    """
+    _PIPELINE[:] = [factory]
+
+
+def default_pipeline(config: Config) -> list[GraphPass]:
+    """The registered pipeline's passes for `config`.
+
+    Raises:
+        PassError: when no pipeline is registered (tfmem installed without its passes).
+    """
+    if not _PIPELINE:
+        from importlib.metadata import entry_points
+
+        found = sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name != "default")
+        if not found:
+            raise PassError("pipeline", f"no rewrite pipeline is registered (entry point group "
+                                        f"{ENTRY_POINT_GROUP!r}): install tfmem with pip, or call "
+                                        "tfmem.register_pipeline")
+        _PIPELINE[:] = [found[0].load()]
+    return list(_PIPELINE[0](config))

@@ -1,13 +1,15 @@
 """Helpers for testing rewrites: seeded inputs and dtype-aware closeness.
 
 Example:
+    >>> import numpy as np, tensorflow as tf, tfmem
     >>> from tfmem.testing import assert_close, random_inputs
     >>> a, b = random_inputs(np.random.default_rng(0), [[4, 3], [3, 2]], tf.float64)
     >>> assert_close(tfmem.function(tf.matmul)(a, b), a @ b, tf.float64)
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,3 +31,71 @@ def assert_close(got: Any, want: Any, dtype: tf.DType) -> None:
     for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
         w = np.asarray(w)
         np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=rtol * max(1.0, np.abs(w).max()))
+
+
+def with_gradient(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` that also returns the gradients of Σ sin(outputs) w.r.t. its inputs (a tape inside).
+
+    The sine makes every output's gradient depend on its value, so a rewrite of the
+    backward cannot hide behind a constant upstream gradient.
+    """
+    def value_and_gradients(*args: tf.Tensor) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = fn(*args)
+            loss = tf.add_n([tf.reduce_sum(tf.sin(t)) for t in tf.nest.flatten(y)])
+        return y, tape.gradient(loss, args)
+    return value_and_gradients
+
+
+def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
+    """Runs the cleanup stage on a program with [rows, cols] float64 tensors; returns the
+    growth of this process's resident-set high-water mark and the op counts after.
+
+    Meant for `tfmem.run_isolated` (a fresh process, so the high-water mark is its own):
+    the cleanup stage must never build such a tensor on the host, whatever its size.
+    """
+    import resource
+
+    from tfmem.config import Config
+    from tfmem.passes import PassManager, default_pipeline
+
+    def program(x):  # x: [rows, cols]
+        zeros = tf.zeros_like(x)
+        ones = tf.ones([rows, cols], tf.float64)
+        eye = tf.eye(rows, dtype=tf.float64)
+        return tf.reduce_sum(zeros + ones * x, 1) + tf.reduce_sum(eye, 1)
+
+    concrete = tf.function(program).get_concrete_function(tf.TensorSpec([rows, cols], tf.float64))
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    from tfmem.graph import Graph
+
+    graph = Graph(graph_def, outputs=[t.name for t in concrete.outputs])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    config = Config(passes=["cleanup"])
+    result = PassManager(default_pipeline(config)).run(graph, config)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"rss_growth_bytes": after - before, "ops": result.graph.op_counts()}
+
+
+def run_scenarios(scenarios: Mapping[str, Callable[[Any], dict[str, Any]]], argument: Any) -> dict[str, dict[str, Any]]:
+    """Runs every scenario on `argument`; one that raises gives `{"error": <its traceback>}`.
+
+    For many checks that share one fresh process (e.g. one whose CPU was split into
+    logical devices before TensorFlow started), each then asserted by its own test
+    with `scenario_outcome`.
+    """
+    results: dict[str, dict[str, Any]] = {}
+    for name, scenario in scenarios.items():
+        try:
+            results[name] = scenario(argument)
+        except Exception:  # noqa: BLE001 - reported by the test that checks this scenario
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def scenario_outcome(results: Mapping[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """What scenario `name` returned; an AssertionError with its traceback if it raised."""
+    outcome = results[name]
+    assert "error" not in outcome, outcome.get("error")
+    return outcome

@@ -1,9 +1,9 @@
-"""`tfmem.function`: trace → rewrite → re-import → run, with the signature of `tf.function`.
+"""`tfmem.function`: trace → rewrite → compile → run, with the signature of `tf.function`.
 
 For each input signature (and config), the wrapper traces the user's function once
-with `tf.function`, takes the GraphDef apart (`capture`), runs the configured passes,
-and imports the result into a new `tf.function(jit_compile=True)`. Calls then go
-straight to that compiled function.
+with `tf.function` (`Traced`), runs the configured passes (`Rewritten`), and imports the
+result into a new `tf.function(jit_compile=True)` (`Compiled`); see `tfmem.stages`.
+Calls then go straight to that compiled function.
 
 Differentiating *through* a wrapped function from an outer tape uses a custom
 gradient: the backward pass is the user's function under a tape, traced and rewritten
@@ -11,18 +11,25 @@ by the same pipeline (so it is split like the forward), and recomputes the forwa
 instead of keeping its intermediates.
 
 Whatever tfmem cannot handle (dynamic shapes, an op XLA cannot compile, a pass that
-fails) runs the original `tf.function` unchanged after one logged warning, unless the
-config says `strict`.
+fails, a graph that does not import) runs the original `tf.function` unchanged after a
+`TfmemWarning` saying why; a budget the rewrite cannot meet is warned about the same
+way. With `strict`, both raise `TfmemError` instead.
+
+Inside `strategy.run` (see `tfmem.distribute`) each replica's trace is rewritten for its
+device, with its share of the budget; replicas whose traces are identical share one run
+of the passes. A function TensorFlow cannot trace as a nested function there (a
+`merge_call`: an all-reduce or `apply_gradients` inside it) runs inline, unchanged.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import hashlib
 import logging
-import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,48 +37,34 @@ import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.ops import resource_variable_ops
 
-from tfmem.capture import CapturedFunction, UnsupportedFunction, capture, import_as_function
+from tfmem.capture import capture
+from tfmem.budget import Budget
 from tfmem.config import Config, active_config
-from tfmem.memory import estimate_memory, xla_planned_bytes
-from tfmem.passes import GraphPass, PassManager
+from tfmem.distribute import Replica, current_replica, replica_budget
+from tfmem.errors import TfmemError, first_line, warn
+from tfmem.memory import XlaPlan, xla_planned_bytes
+from tfmem.passes import GraphPass
 from tfmem.report import Report
+from tfmem.stages import Compiled, Rewritten, Traced, compile_within_budget, make_report
 
 logger = logging.getLogger(__name__)
-
-# Errors a *compiler* raises for a graph it cannot take; on a first call they mean
-# "fall back", while a ResourceExhaustedError is a real out-of-memory and is raised.
-_COMPILE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
-                   tf.errors.NotFoundError, tf.errors.InternalError)
-
-
-class TfmemError(RuntimeError):
-    """Raised in strict mode where tfmem would otherwise fall back to the original function."""
-
-
-def _resolve_config(config: Config | Mapping[str, Any] | str | os.PathLike[str] | None) -> Config | None:
-    if config is None or isinstance(config, Config):
-        return config
-    if isinstance(config, Mapping):
-        return Config.from_mapping(config)
-    return Config.from_yaml(config)
-
-
-def _default_passes(config: Config) -> list[GraphPass]:
-    from rewrites import passes_for  # the passes live in `rewrites/`; imported late to avoid a cycle
-
-    return passes_for(config)
 
 
 @dataclasses.dataclass
 class _Signature:
-    """The rewrite of one traced signature under one config."""
+    """One traced signature under one config: its stages, its report, its state."""
 
     concrete: Any
     report: Report
-    captured: CapturedFunction | None = None
-    compiled: Any = None  # the rewritten tf.function; None means "run the original"
+    traced: Traced | None = None
+    compiled: Compiled | None = None  # None means "run the original"
+    inline: bool = False  # run the Python function inline (it cannot be a nested function here)
     called: bool = False
     backward: dict[tuple[int, ...], TfmemFunction] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rewritten(self) -> Rewritten | None:
+        return self.compiled.rewritten if self.compiled is not None else None
 
 
 class TfmemFunction:
@@ -79,9 +72,10 @@ class TfmemFunction:
 
     def __init__(self, fn: Callable[..., Any], *, config: Any = None, jit_compile: bool | None = None,
                  input_signature: Any = None, name: str | None = None,
-                 passes: list[GraphPass] | None = None, lint: bool = False) -> None:
+                 passes: list[GraphPass] | None = None, lint: bool = False,
+                 rewrites: dict[tuple[str, Config, Budget | None], Compiled] | None = None) -> None:
         self.python_function = fn
-        self._config = _resolve_config(config)
+        self._config = Config.coerce(config)
         self._jit_compile = jit_compile
         self._input_signature = input_signature
         self._name = name or getattr(fn, "__name__", type(fn).__name__)
@@ -92,6 +86,13 @@ class TfmemFunction:
         # Stock tf.function: traces for us (same retracing rules) and is the fallback.
         self.original = tf.function(fn, input_signature=input_signature)
         self._signatures: dict[tuple[int, Config], _Signature] = {}
+        # Rewrites by (GraphDef digest, config, budget): each replica of a strategy traces
+        # its own concrete function, usually with an identical GraphDef; the passes run once.
+        self._rewrites = {} if rewrites is None else rewrites
+        self._backward_rewrites: dict[tuple[str, Config, Budget | None], Compiled] = {}
+        # Strategy name → the signature of a function that cannot be traced as a nested
+        # function in that strategy's replicas (it runs inline).
+        self._not_nestable: dict[str, _Signature] = {}
         functools.update_wrapper(self, fn, updated=())
 
     def __repr__(self) -> str:
@@ -105,13 +106,34 @@ class TfmemFunction:
             config = dataclasses.replace(config, jit_compile=self._jit_compile)
         return config
 
+    # --- the stages, one at a time -------------------------------------------------
+
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+        """Traces the function for these arguments and takes its graph apart.
+
+        Raises:
+            UnsupportedFunction: when tfmem cannot take this function apart (e.g. a
+                dynamic shape); the wrapped function itself would fall back instead.
+        """
+        return self._trace(self.original.get_concrete_function(*args, **kwargs))
+
+    def _trace(self, concrete: Any) -> Traced:
+        start = time.perf_counter()
+        captured = capture(concrete)
+        return Traced(self._name, _signature_text(concrete), captured, time.perf_counter() - start)
+
     # --- calling ------------------------------------------------------------------
 
+    # AutoGraph converts what a converted function calls (strategy.run converts the replica
+    # function): it must call tfmem as it is, not convert tfmem's own code.
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         signature = self._signature(args, kwargs, self.config)
+        if signature.inline:
+            return self.python_function(*args, **kwargs)
         if signature.compiled is None:
             return self.original(*args, **kwargs)
-        if not signature.captured.has_side_effects and record.could_possibly_record():
+        if not signature.traced.captured.has_side_effects and record.could_possibly_record():
             return self._call_with_gradient(signature, args, kwargs)
         return self._call(signature, args, kwargs)
 
@@ -121,20 +143,23 @@ class TfmemFunction:
         signature.called = True
         try:
             result = signature.compiled(*args, **kwargs)
-        except _COMPILE_ERRORS as err:
+        except tf.errors.ResourceExhaustedError:
+            raise  # a real out-of-memory: the original would not do better
+        except Exception as err:  # tracing, importing or compiling the rewrite failed
             self._fall_back(signature, f"the rewritten graph failed on its first call: "
-                                       f"{type(err).__name__}: {_first_line(err)}", err)
+                                       f"{type(err).__name__}: {first_line(err)}", err)
             return self.original(*args, **kwargs)
         if signature.report.config.verify:
-            self._verify(signature, args, kwargs, result)
+            return self._verify(signature, args, kwargs, result)
         return result
 
     def _verify(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
-                result: Any) -> None:
-        if signature.captured.has_side_effects:
-            logger.warning("tfmem: not verifying %s: it writes state, so running it twice would "
-                           "change the result", self._name)
-            return
+                result: Any) -> Any:
+        """`result` if it equals the original's; else the original's, after a fallback."""
+        if signature.traced.captured.has_side_effects:
+            warn(f"tfmem: not verifying {self._name}: it writes state, so running it twice would "
+                 "change the result")
+            return result
         config = signature.report.config
         expected = self.original(*args, **kwargs)
         for got, want in zip(tf.nest.flatten(result, expand_composites=True),
@@ -148,21 +173,25 @@ class TfmemFunction:
                     if got_np.shape == want_np.shape else f"shape {got_np.shape} vs {want_np.shape}"
                 self._fall_back(signature, f"verification failed: rewritten output differs from the "
                                            f"original by {diff}")
-                return
+                return expected
+        return result
 
     def _call_with_gradient(self, signature: _Signature, args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> Any:
         flat = tf.nest.flatten((args, kwargs), expand_composites=True)
         positions = [i for i, x in enumerate(flat) if isinstance(x, tf.Tensor)]
-        trainable = [v for v in signature.captured.variables if v.trainable]
+        # Only the arguments a tape watches are differentiated: the backward pass then
+        # skips, e.g., the gradient of a kernel matrix with respect to its data.
+        watched = [i for i in positions if record.should_record_backprop([flat[i]])]
+        trainable = [v for v in signature.traced.captured.variables if v.trainable]
         outputs: dict[str, Any] = {}
 
         @tf.custom_gradient
-        def forward(*tensors: tf.Tensor) -> Any:
+        def forward(*inputs: tf.Tensor) -> Any:  # the watched arguments
             for variable in trainable:  # the import reads variables by handle; tell the tape
                 resource_variable_ops.variable_accessed(variable)
             with record.stop_recording():  # the tape must see only this custom op
-                call_args, call_kwargs = _substitute(args, kwargs, flat, positions, tensors)
+                call_args, call_kwargs = _substitute(args, kwargs, flat, watched, inputs)
                 result = self._call(signature, call_args, call_kwargs)
             result_flat = tf.nest.flatten(result, expand_composites=True)
             outputs["structure"], outputs["flat"] = result, result_flat
@@ -170,97 +199,141 @@ class TfmemFunction:
 
             def backward(*upstream: tf.Tensor, variables: Any = None) -> Any:
                 variables = list(variables or [])
-                grad_fn = self._backward_function(signature, args, kwargs, flat, positions,
+                grad_fn = self._backward_function(signature, args, kwargs, flat, positions, watched,
                                                   out_positions, variables)
                 upstream = [tf.zeros_like(result_flat[j]) if dy is None else dy
                             for dy, j in zip(upstream, out_positions)]
-                grads = grad_fn(list(tensors), upstream)
-                return grads[:len(tensors)], grads[len(tensors):]
+                # Every tensor argument is passed (a captured one would be stale on the next call).
+                current = dict(zip(watched, inputs))
+                grads = grad_fn([current.get(i, flat[i]) for i in positions], upstream)
+                return grads[:len(inputs)], grads[len(inputs):]
 
             return [result_flat[j] for j in out_positions], backward
 
-        tensor_outputs = iter(forward(*[flat[i] for i in positions]))
+        tensor_outputs = iter(forward(*[flat[i] for i in watched]))
         result_flat = [next(tensor_outputs) if isinstance(r, tf.Tensor) else r for r in outputs["flat"]]
         return tf.nest.pack_sequence_as(outputs["structure"], result_flat, expand_composites=True)
 
     def _backward_function(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
-                           flat: list[Any], positions: list[int], out_positions: list[int],
-                           variables: list[tf.Variable]) -> TfmemFunction:
-        """The vector-Jacobian product of the user's function, itself a tfmem function."""
-        key = (*(id(v) for v in variables), -1, *out_positions)
+                           flat: list[Any], positions: list[int], watched: list[int],
+                           out_positions: list[int], variables: list[tf.Variable]) -> TfmemFunction:
+        """The vector-Jacobian product of the user's function, itself a tfmem function.
+
+        It takes every tensor argument (at `positions`) and the upstream gradients, and
+        returns the gradients of the `watched` arguments, then of `variables`.
+        """
+        key = (*watched, -1, *(id(v) for v in variables), -1, *out_positions)
         if key in signature.backward:
             return signature.backward[key]
         fn = self.python_function
+        differentiated = [positions.index(i) for i in watched]
 
         def vjp(tensors: list[tf.Tensor], upstream: list[tf.Tensor]) -> list[tf.Tensor]:
+            sources = [tensors[k] for k in differentiated] + list(variables)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(tensors)
-                for variable in variables:
-                    tape.watch(variable)
+                tape.watch(sources)
                 call_args, call_kwargs = _substitute(args, kwargs, flat, positions, tensors)
                 result_flat = tf.nest.flatten(fn(*call_args, **call_kwargs), expand_composites=True)
             targets = [result_flat[j] for j in out_positions]
             pairs = [(t, dy) for t, dy in zip(targets, upstream) if t.dtype.is_floating or t.dtype.is_complex]
-            grads = tape.gradient([t for t, _ in pairs], list(tensors) + list(variables),
-                                  output_gradients=[dy for _, dy in pairs],
+            grads = tape.gradient([t for t, _ in pairs], sources, output_gradients=[dy for _, dy in pairs],
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [g if x.dtype.is_floating or x.dtype.is_complex else None
-                    for g, x in zip(grads, list(tensors) + list(variables))]
+            return [g if x.dtype.is_floating or x.dtype.is_complex else None for g, x in zip(grads, sources)]
 
-        backward = TfmemFunction(vjp, config=signature.report.config, name=f"{self._name}_vjp",
-                                 passes=self._passes, lint=self._lint)
+        # The backward runs under the forward's config (its budget, if any, was resolved
+        # for the same device), sharing rewrites between replicas like the forward.
+        backward = TfmemFunction(vjp, config=self.config, name=f"{self._name}_vjp", passes=self._passes,
+                                 lint=self._lint, rewrites=self._backward_rewrites)
         signature.backward[key] = backward
         return backward
 
-    # --- rewriting ----------------------------------------------------------------
+    # --- rewriting, with fallback -------------------------------------------------
 
     def _signature(self, args: tuple[Any, ...], kwargs: dict[str, Any], config: Config) -> _Signature:
-        concrete = self.original.get_concrete_function(*args, **kwargs)
+        replica = current_replica()
+        if replica is not None and replica.strategy in self._not_nestable:
+            return self._not_nestable[replica.strategy]
+        try:
+            concrete = self.original.get_concrete_function(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - e.g. a merge_call inside a nested function
+            if replica is None:
+                raise  # the user's own error: tf.function would raise it too
+            return self._cannot_nest(replica, config, err)
         key = (id(concrete), config)
         signature = self._signatures.get(key)
         if signature is None or signature.concrete is not concrete:
-            signature = self._rewrite(concrete, config)
+            signature = self._build(concrete, config, args, kwargs, replica)
             self._signatures[key] = signature
         return signature
 
-    def _rewrite(self, concrete: Any, config: Config) -> _Signature:
+    def _build(self, concrete: Any, config: Config, args: tuple[Any, ...], kwargs: dict[str, Any],
+               replica: Replica | None = None) -> _Signature:
+        """All three stages for one signature; on any failure, a fallback to the original."""
         text = _signature_text(concrete)
-        report = Report(function_name=self._name, signature=text, config=config)
-        signature = _Signature(concrete=concrete, report=report)
-        start = time.perf_counter()
+        signature = _Signature(concrete, Report(self._name, text, config, replica=replica))
         try:
-            captured = capture(concrete)
-            graph = captured.to_graph()
-            report.original_graph_def = captured.graph_def
-            report.nodes_before = len(graph)
-            report.memory_before = estimate_memory(graph)
-            passes = self._passes if self._passes is not None else _default_passes(config)
-            result = PassManager(passes, lint=self._lint).run(graph, config)
-            report.records, report.pass_seconds = result.records, result.seconds
-            rewritten = result.graph.to_graph_def()
-            report.rewritten_graph_def = rewritten
-            report.nodes_after = len(result.graph)
-            report.memory_after = estimate_memory(result.graph)
-            signature.captured = captured
-            signature.compiled = import_as_function(
-                captured, rewritten, result.graph.outputs, jit_compile=config.jit_compile,
-                input_signature=self._input_signature, name=f"tfmem_{self._scope}")
-            report.status = "rewritten" if result.modified else "unchanged"
+            signature.traced = self._trace(concrete)
+            signature.compiled = self._compile(signature.traced, config, args, kwargs, replica)
         except Exception as err:  # any failure: keep the user's program running
-            report.status, report.reason = "fallback", f"{type(err).__name__}: {_first_line(err)}"
-            if config.strict:
-                raise TfmemError(f"tfmem cannot rewrite {self._name}{text}: {report.reason}") from err
-            logger.warning("tfmem: running %s%s unchanged: %s", self._name, text, report.reason)
-        report.pipeline_seconds = time.perf_counter() - start
+            self._fall_back(signature, f"{type(err).__name__}: {first_line(err)}", err)
+            return signature
+        rewritten = signature.compiled.rewritten
+        signature.report = make_report(rewritten, status="rewritten" if rewritten.modified else "unchanged",
+                                       xla_bytes_after=signature.compiled.xla_bytes,
+                                       xla_largest_bytes_after=signature.compiled.xla_largest_bytes,
+                                       xla_overshoot_after=signature.compiled.xla_overshoot,
+                                       xla_check_seconds=signature.compiled.check_seconds, replica=replica)
+        if signature.report.fits is False:
+            self._over_budget(signature.report)
         return signature
 
-    def _fall_back(self, signature: _Signature, reason: str, cause: BaseException | None = None) -> None:
-        report = signature.report
-        report.status, report.reason = "fallback", reason
-        signature.compiled = None
+    def _compile(self, traced: Traced, config: Config, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 replica: Replica | None) -> Compiled:
+        """`compile_within_budget`, once per distinct program: replicas share the rewrite."""
+        budget = replica_budget(config, replica) if replica is not None else None
+        key = (_digest(traced.captured.graph_def), config, budget)
+        shared = self._rewrites.get(key)
+        if shared is not None:
+            again = shared.rewritten.for_trace(traced).compile(input_signature=self._input_signature,
+                                                               name=f"tfmem_{self._scope}")
+            return dataclasses.replace(again, xla_bytes=shared.xla_bytes, xla_largest_bytes=shared.xla_largest_bytes,
+                                       xla_overshoot=shared.xla_overshoot)
+        compiled = compile_within_budget(traced, config, args, kwargs, passes=self._passes, lint=self._lint,
+                                         budget=budget, input_signature=self._input_signature,
+                                         name=f"tfmem_{self._scope}")
+        self._rewrites[key] = compiled
+        return compiled
+
+    def _cannot_nest(self, replica: Replica, config: Config, err: Exception) -> _Signature:
+        """The signature of a function that runs inline in `replica`'s strategy: TF cannot trace it there."""
+        reason = (f"it cannot be traced as a nested function inside {replica.strategy}.run "
+                  f"({type(err).__name__}: {first_line(err)}); it runs inline, unchanged")
+        report = Report(self._name, "(...)", config, status="fallback", reason=reason, replica=replica)
+        message = f"tfmem: running {self._name}{report.where} unchanged: {reason}"
+        if config.strict:
+            raise TfmemError(message) from err
+        warn(message)
+        signature = _Signature(concrete=None, report=report, inline=True)
+        self._not_nestable[replica.strategy] = signature
+        return signature
+
+    def _over_budget(self, report: Report) -> None:
+        blocking = report.over_budget
+        message = (f"tfmem: {self._name}{report.signature}{report.where} may not fit its memory budget "
+                   f"{report.budget}: {report.summary()}")
+        if blocking is not None and blocking.reason not in message:
+            message += f" ({blocking.reason})"
         if report.config.strict:
-            raise TfmemError(f"tfmem: {self._name}{report.signature}: {reason}") from cause
-        logger.warning("tfmem: running %s%s unchanged: %s", self._name, report.signature, reason)
+            raise TfmemError(message)
+        warn(message)
+
+    def _fall_back(self, signature: _Signature, reason: str, cause: BaseException | None = None) -> None:
+        signature.report = dataclasses.replace(signature.report, status="fallback", reason=reason)
+        signature.compiled = None
+        message = f"tfmem: running {self._name}{signature.report.signature}{signature.report.where} unchanged: {reason}"
+        if signature.report.config.strict:
+            raise TfmemError(message) from cause
+        warn(message)
 
     # --- inspection ---------------------------------------------------------------
 
@@ -268,19 +341,33 @@ class TfmemFunction:
         """The Report for this signature (rewriting it if not yet done), without running."""
         return self._signature(args, kwargs, self.config).report
 
+    def reports(self) -> list[Report]:
+        """The reports of every signature rewritten so far, oldest first (one per replica under a
+        strategy), each followed by those of its backward functions (`<name>_vjp`)."""
+        reports = []
+        for signature in self._signatures.values():
+            reports.append(signature.report)
+            reports.extend(r for backward in signature.backward.values() for r in backward.reports())
+        return reports + [s.report for s in self._not_nestable.values()]
+
     def explain(self, *args: Any, **kwargs: Any) -> Report:
         """Like `report`, plus XLA's planned bytes for stock `jit_compile=True` and for tfmem.
 
-        Compiles both (so it costs two XLA compilations), runs neither.
+        Compiles both (so it costs two XLA compilations), runs neither. Called inside
+        `strategy.run`, it reports this replica's rewrite, with its per-replica budget.
         """
         signature = self._signature(args, kwargs, self.config)
         report = signature.report
+        if signature.inline:
+            return report
         if report.xla_bytes_before is None:
             stock = tf.function(self.python_function, jit_compile=True,
                                 input_signature=self._input_signature)
-            report.xla_bytes_before = xla_planned_bytes(stock, *args, **kwargs)
-        if report.xla_bytes_after is None and signature.compiled is not None and report.config.jit_compile:
-            report.xla_bytes_after = xla_planned_bytes(signature.compiled, *args, **kwargs)
+            report = dataclasses.replace(report, xla_bytes_before=xla_planned_bytes(stock, *args, **kwargs))
+        if report.xla_bytes_after is None and signature.compiled is not None:
+            report = dataclasses.replace(report, xla_bytes_after=signature.compiled.xla_planned_bytes(
+                *args, **kwargs))
+        signature.report = report
         return report
 
     def rewritten_graph_def(self, *args: Any, **kwargs: Any) -> Any:
@@ -288,13 +375,19 @@ class TfmemFunction:
         return self.report(*args, **kwargs).rewritten_graph_def
 
     def compiled(self, *args: Any, **kwargs: Any) -> Any:
-        """The `tf.function` that runs the rewritten graph for this signature."""
-        return self._signature(args, kwargs, self.config).compiled
+        """The `tf.function` that runs the rewritten graph for this signature (None after a fallback)."""
+        compiled = self._signature(args, kwargs, self.config).compiled
+        return compiled.function if compiled is not None else None
+
+    def xla_plan(self, *args: Any, **kwargs: Any) -> XlaPlan | None:
+        """XLA's buffer assignment for the rewritten function (None if not compiled with XLA)."""
+        compiled = self._signature(args, kwargs, self.config).compiled
+        return compiled.xla_plan(*args, **kwargs) if compiled is not None else None
 
     def xla_planned_bytes(self, *args: Any, **kwargs: Any) -> int | None:
         """XLA's planned bytes for the rewritten function (None if not compiled with XLA)."""
-        compiled = self.compiled(*args, **kwargs)
-        return xla_planned_bytes(compiled, *args, **kwargs) if compiled is not None else None
+        plan = self.xla_plan(*args, **kwargs)
+        return plan.total_bytes if plan is not None else None
 
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
         """The concrete function of the rewritten graph (the original's after a fallback)."""
@@ -364,6 +457,25 @@ def _signature_text(concrete: Any) -> str:
     return f"({', '.join(parts)})"
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+_GRADIENT_OP_TYPE = "_gradient_op_type"
+
+
+def _digest(graph_def: Any) -> str:
+    """A hash of the GraphDef that identical traces share.
+
+    Each trace numbers its custom gradients anew (`_gradient_op_type: "CustomGradient-<uid>"`,
+    e.g. GPflow's parameter transforms), so replicas' traces differ only there; the
+    passes do not read that attribute.
+    """
+    digest = hashlib.sha256()
+    # Node by node, copying only the few nodes with the attribute (not, say, GPflow's
+    # data held as constants).
+    for node in graph_def.node:
+        if _GRADIENT_OP_TYPE in node.attr:
+            node = copy.deepcopy(node)
+            del node.attr[_GRADIENT_OP_TYPE]
+        data = node.SerializeToString(deterministic=True)
+        digest.update(len(data).to_bytes(8, "little") + data)
+    digest.update(graph_def.library.SerializeToString(deterministic=True))
+    digest.update(graph_def.versions.SerializeToString(deterministic=True))
+    return digest.hexdigest()

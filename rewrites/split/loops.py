@@ -4,7 +4,7 @@ The region's nodes become a GraphDef *fragment* whose inputs are placeholders sh
 for one chunk. The loop imports that fragment once per chunk — the same
 `import_graph_def` the wrapper uses — with the chunk's slices of the split inputs:
 
-    first chunk            → initial accumulators and the first written-out chunk
+    accumulators           → the identity of each sink's merge (0, -inf, ...)
     while i < full_chunks  → slice inputs at i·c, import the fragment, combine, write
     remainder (static)     → one more import with the last, shorter chunk
 
@@ -19,81 +19,41 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from tfmem.graph import Fragment, Graph, TensorRef
 
-from tfmem.graph import Graph, TensorRef
-
-from rewrites.split.regions import Region
+from rewrites.split.regions import Feed, Region
 from rewrites.split.rules import chunk_patches
 
-_INPUT = "tfmem_chunk_input_{}"
-_STRIP_ATTRS = ("_output_shapes", "_class")
 _SMALL_CONSTANT_BYTES = 1 << 16
 
 
-def _fragment(graph: Graph, region: Region, inputs: Sequence[TensorRef], chunk: int) -> graph_pb2.GraphDef:
-    """The region's nodes as a GraphDef for one chunk of length `chunk`."""
-    fragment = graph_pb2.GraphDef()
-    fragment.versions.CopyFrom(graph.versions)
-    # Inputs are named but not defined: import_graph_def binds them through input_map. (A
-    # placeholder node would be imported even when mapped, and XLA has no kernel for it.)
-    index = {ref: k for k, ref in enumerate(inputs)}
-    copied: set[str] = set()
+def _fragment(graph: Graph, region: Region, feeds: Sequence[Feed], chunk: int) -> Fragment:
+    """The region's nodes as a fragment for one chunk of length `chunk`."""
+    constants: dict[tuple[str, int], np.ndarray] = {}
     for name in region.nodes:
-        node = _copy_for_fragment(graph.node(name), name)
-        data_inputs = graph.inputs(name)
-        in_axes = {i: region.axes[ref] for i, ref in enumerate(data_inputs) if ref in region.axes}
-        out_axis = region.axes.get(TensorRef(name))
-        patches = chunk_patches(graph, name, out_axis, chunk, in_axes)
-        del node.input[:]  # data inputs are re-added below; regions hold no control edges
-        for position, ref in enumerate(data_inputs):
-            if position in patches:
-                const = _const_node(f"{name}/tfmem_chunk_{position}", patches[position])
-                fragment.node.append(const)
-                node.input.append(const.name)
-            elif ref in index and ref not in region.axes and _is_small_constant(graph, ref):
-                # Shape arguments must stay constants, or shape inference loses dimensions.
-                name_in_fragment = _INPUT.format(index[ref]) + "_const"
-                if name_in_fragment not in copied:
-                    const = _copy_for_fragment(graph.node(ref.node), name_in_fragment)
-                    del const.input[:]
-                    fragment.node.append(const)
-                    copied.add(name_in_fragment)
-                node.input.append(name_in_fragment)
-            elif ref in index:
-                node.input.append(TensorRef(_INPUT.format(index[ref]), 0).as_input())
-            else:
-                node.input.append(ref.as_input())
-        fragment.node.append(node)
-    return fragment
-
-
-def _copy_for_fragment(original: node_def_pb2.NodeDef, name: str) -> node_def_pb2.NodeDef:
-    """A copy named `name`, without the attrs that tie it to the big graph (stale shapes,
-    colocation with nodes the fragment does not have)."""
-    node = node_def_pb2.NodeDef()
-    node.CopyFrom(original)
-    node.name = name
-    for attr in _STRIP_ATTRS:
-        if attr in node.attr:
-            del node.attr[attr]
-    return node
+        in_axes = {}
+        for position, ref in enumerate(graph.inputs(name)):
+            feed = region.feed_of(name, position, ref)
+            axis = region.axes.get(ref) if feed is None else feed.axis
+            if axis is not None:
+                in_axes[position] = axis
+        patches = chunk_patches(graph, name, region.axes.get(TensorRef(name)), chunk, in_axes)
+        constants.update(((name, position), value) for position, value in patches.items())
+    # Shape arguments must stay constants, or shape inference loses dimensions.
+    inline = [feed for feed in feeds if feed.axis is None and _is_small_constant(graph, feed.ref)]
+    return graph.fragment(region.nodes, feed=region.feed_of, constants=constants, inline=inline)
 
 
 def _is_small_constant(graph: Graph, ref: TensorRef) -> bool:
     return graph.node(ref.node).op == "Const" and (graph.nbytes(ref) or 0) <= _SMALL_CONSTANT_BYTES
 
 
-def _const_node(name: str, value: np.ndarray) -> node_def_pb2.NodeDef:
-    node = node_def_pb2.NodeDef(name=name, op="Const")
-    node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
-    return node
-
-
 def _slice_along(tensor: tf.Tensor, axis: int, start: Any, length: int) -> tf.Tensor:
     shape = tensor.shape.as_list()
-    begin = tf.stack([tf.cast(start, tf.int32) if j == axis else tf.constant(0) for j in range(len(shape))])
+    if isinstance(start, int):  # a static start (the remainder): a constant a later region can patch
+        begin = tf.constant([start if j == axis else 0 for j in range(len(shape))], tf.int32)
+    else:
+        begin = tf.stack([tf.cast(start, tf.int32) if j == axis else tf.constant(0) for j in range(len(shape))])
     size = [length if j == axis else s for j, s in enumerate(shape)]
     return tf.slice(tensor, begin, size)
 
@@ -105,12 +65,25 @@ def _to_front(tensor: tf.Tensor, axis: int) -> tf.Tensor:
     return tf.transpose(tensor, [axis] + [j for j in range(rank) if j != axis])
 
 
+def _to_front_shape(shape: list[int], axis: int, length: int) -> list[int]:
+    """The shape `_to_front` gives a chunk of length `length` of a tensor of `shape`."""
+    return [length] + [s for j, s in enumerate(shape) if j != axis]
+
+
 def _from_front(tensor: tf.Tensor, axis: int) -> tf.Tensor:
     if axis == 0:
         return tensor
     rank = tensor.shape.rank
     order = [axis] + [j for j in range(rank) if j != axis]
     return tf.transpose(tensor, np.argsort(order).tolist())
+
+
+def _lowest(dtype: tf.DType) -> Any:
+    return -np.inf if dtype.is_floating else dtype.min
+
+
+def _highest(dtype: tf.DType) -> Any:
+    return np.inf if dtype.is_floating else dtype.max
 
 
 class _Combiner:
@@ -128,6 +101,32 @@ class _Combiner:
             self.k = int(k)
         self.size = region.size
         self.sorted = node.attr["sorted"].b if "sorted" in node.attr else True
+        self.specs = graph.output_specs(name)
+        self.source_dtype = graph.spec(self.source).dtype
+
+    def initial(self) -> list[tf.Tensor]:
+        """The accumulators before the first chunk: the identity of the merge.
+
+        (So every chunk runs inside the loop: a first chunk peeled off to start the
+        accumulators would hold its temporaries beside the rest of the program.)
+        """
+        def filled(spec: tf.TensorSpec, value: Any) -> tf.Tensor:
+            return tf.fill(spec.shape.as_list(), tf.constant(value, spec.dtype))
+
+        kind, (out, *_) = self.kind, self.specs
+        if kind in ("sum", "mean"):
+            return [filled(out, 0)]
+        if kind in ("max", "min", "prod", "all", "any"):
+            return [filled(out, {"max": _lowest(out.dtype), "min": _highest(out.dtype), "prod": 1,
+                               "all": True, "any": False}[kind])]
+        if kind in ("argmax", "argmin"):
+            extreme = _lowest if kind == "argmax" else _highest
+            values = tf.TensorSpec(out.shape, self.source_dtype)
+            return [filled(values, extreme(self.source_dtype)), filled(out, 0)]
+        if kind == "topk":
+            values, indices = self.specs
+            return [filled(values, _lowest(values.dtype)), filled(indices, 0)]
+        raise AssertionError(f"unknown combine {kind}")
 
     def partial(self, outputs: list[tf.Tensor], source: tf.Tensor | None, start: Any, chunk: int) -> list[tf.Tensor]:
         """This chunk's contribution, in global terms (indices offset, means weighted)."""
@@ -173,28 +172,24 @@ def emit_loop(graph: Graph, region: Region, chunk: int, *, max_write_out: int,
     recompute them chunk by chunk), never materialised here. The caller rewires readers
     with `Graph.replace_all_uses` and prunes the originals.
     """
-    inputs = region.inputs(graph)
-    in_axes = [region.axes.get(ref) for ref in inputs]
+    feeds = region.feeds(graph)
     write_outs = [ref for ref in region.write_outs(graph) if (graph.nbytes(ref) or 0) <= max_write_out]
     out_axes = [region.axes[ref] for ref in write_outs]
     sink_names = list(region.sinks)
     combiners = {name: _Combiner(graph, region, name) for name in sink_names}
     sources = [combiners[n].source for n in sink_names if combiners[n].kind in ("argmax", "argmin")]
-    returns = [ref.name for ref in write_outs] + [TensorRef(n, i).name for n in sink_names
-                                                  for i in range(combiners[n].outputs)]
-    returns += [ref.name for ref in sources]
+    returns = write_outs + [TensorRef(n, i) for n in sink_names for i in range(combiners[n].outputs)]
+    returns += sources
     full, remainder = divmod(region.size, chunk)
-    fragments = {length: _fragment(graph, region, inputs, length) for length in {chunk, remainder} if length}
+    fragments = {length: _fragment(graph, region, feeds, length) for length in {chunk, remainder} if length}
 
     def run_chunk(tensors: Sequence[tf.Tensor], start: Any, length: int) -> tuple[list, list[list]]:
+        fragment = fragments[length]
         # tf.identity captures a whole input into the loop body (import needs local tensors).
-        feeds = {f"{_INPUT.format(k)}:0": tf.identity(t) if axis is None else _slice_along(t, axis, start, length)
-                 for k, (t, axis) in enumerate(zip(tensors, in_axes))}
-        # Feed only inputs the fragment reads (a patched shape constant is no longer read).
-        read = {TensorRef.parse(i).node for n in fragments[length].node for i in n.input}
-        feeds = {k: v for k, v in feeds.items() if TensorRef.parse(k).node in read}
-        results = tf.graph_util.import_graph_def(fragments[length], input_map=feeds, return_elements=returns,
-                                                 name="chunk")
+        # Only inputs the fragment reads are fed (a patched shape constant is no longer read).
+        values = {feed: tf.identity(t) if feed.axis is None else _slice_along(t, feed.axis, start, length)
+                  for feed, t in zip(feeds, tensors) if feed in fragment.feeds}
+        results = fragment.import_into(values, returns, name="chunk")
         written = results[:len(write_outs)]
         rest = iter(results[len(write_outs):])
         sink_outputs = {n: [next(rest) for _ in range(combiners[n].outputs)] for n in sink_names}
@@ -204,25 +199,24 @@ def emit_loop(graph: Graph, region: Region, chunk: int, *, max_write_out: int,
         return list(written), partials
 
     def build(*tensors: tf.Tensor) -> list[tf.Tensor]:
-        written, acc = run_chunk(tensors, 0, chunk)
-        chunk_shapes = [_to_front(w, a).shape.as_list() for w, a in zip(written, out_axes)]
-        arrays = [tf.TensorArray(w.dtype, size=full, element_shape=_to_front(w, a).shape).write(0, _to_front(w, a))
-                  for w, a in zip(written, out_axes)]
-        if full > 1:
-            def body(i: tf.Tensor, acc: list, arrays: list) -> tuple:
-                start = i * chunk
-                new_written, partials = run_chunk(tensors, start, chunk)
-                acc = [combiners[n].merge(a, p) for n, a, p in zip(sink_names, acc, partials)]
-                arrays = [ta.write(i, _to_front(w, a)) for ta, w, a in zip(arrays, new_written, out_axes)]
-                return i + 1, acc, arrays
+        acc = [combiners[n].initial() for n in sink_names]
+        chunk_shapes = [_to_front_shape(graph.spec(ref).shape.as_list(), axis, chunk)
+                        for ref, axis in zip(write_outs, out_axes)]
+        arrays = [tf.TensorArray(graph.spec(ref).dtype, size=full, element_shape=shape)
+                  for ref, shape in zip(write_outs, chunk_shapes)]
 
-            _, acc, arrays = tf.while_loop(lambda i, *_: i < full, body, (tf.constant(1), acc, arrays),
-                                           maximum_iterations=full - 1)
+        def body(i: tf.Tensor, acc: list, arrays: list) -> tuple:
+            written, partials = run_chunk(tensors, i * chunk, chunk)
+            acc = [combiners[n].merge(a, p) for n, a, p in zip(sink_names, acc, partials)]
+            arrays = [ta.write(i, _to_front(w, a)) for ta, w, a in zip(arrays, written, out_axes)]
+            return i + 1, acc, arrays
+
+        _, acc, arrays = tf.while_loop(lambda i, *_: i < full, body, (tf.constant(0), acc, arrays),
+                                       maximum_iterations=full)
+        last_written: list[tf.Tensor] = []
         if remainder:
             last_written, partials = run_chunk(tensors, full * chunk, remainder)
             acc = [combiners[n].merge(a, p) for n, a, p in zip(sink_names, acc, partials)]
-        else:
-            last_written = []
         outputs = []
         for k, (ta, axis) in enumerate(zip(arrays, out_axes)):
             stacked = ta.stack()  # [full, chunk, ...]
@@ -234,6 +228,6 @@ def emit_loop(graph: Graph, region: Region, chunk: int, *, max_write_out: int,
             outputs.extend(combiners[name].finish(a))
         return outputs
 
-    new_refs = graph.splice(build, inputs, scope=scope)
+    new_refs = graph.splice(build, [feed.ref for feed in feeds], scope=scope)
     old_refs = write_outs + [TensorRef(n, i) for n in sink_names for i in range(combiners[n].outputs)]
     return dict(zip(old_refs, new_refs))

@@ -25,6 +25,14 @@ from rewrites.split.rules import DimClass, NoRule, class_of, dim_classes
 GRAPH_INPUT_OPS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
 
 
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """A tensor from outside a region, as its loop reads it: sliced along `axis`, or whole."""
+
+    ref: TensorRef
+    axis: int | None
+
+
 @dataclasses.dataclass
 class Region:
     """A set of nodes split along one dimension of length `size`.
@@ -36,6 +44,8 @@ class Region:
         nodes: region nodes in topological order (sinks included).
         sinks: sink node → how its per-chunk results combine ("sum", "max", "topk", ...).
         boundaries: tensor → why a reader of it could not join the region.
+        whole_reads: input positions `(node, position)` that read an outside tensor whole
+            although other positions slice it (`X` in `X @ Xᵀ`, split by rows).
     """
 
     seed: TensorRef
@@ -44,15 +54,24 @@ class Region:
     nodes: list[str]
     sinks: dict[str, str]
     boundaries: dict[TensorRef, str] = dataclasses.field(default_factory=dict)
+    whole_reads: set[tuple[str, int]] = dataclasses.field(default_factory=set)
 
-    def inputs(self, graph: Graph) -> list[TensorRef]:
-        """Tensors read by region nodes and produced outside it, in first-use order."""
-        members = set(self.nodes)
-        found: dict[TensorRef, None] = {}
+    def feed_of(self, name: str, position: int, ref: TensorRef) -> Feed | None:
+        """What input `position` of region node `name` (reading `ref`) is fed from outside
+        the region: the tensor and its split axis (None: whole); None for a region tensor."""
+        if ref.node in self.nodes:
+            return None
+        whole = (name, position) in self.whole_reads or ref not in self.axes
+        return Feed(ref, None if whole else self.axes[ref])
+
+    def feeds(self, graph: Graph) -> list[Feed]:
+        """Everything the region reads from outside, each once, in first-use order."""
+        found: dict[Feed, None] = {}
         for name in self.nodes:
-            for ref in graph.inputs(name):
-                if ref.node not in members:
-                    found[ref] = None
+            for position, ref in enumerate(graph.inputs(name)):
+                feed = self.feed_of(name, position, ref)
+                if feed is not None:
+                    found[feed] = None
         return list(found)
 
     def write_outs(self, graph: Graph) -> list[TensorRef]:
@@ -96,6 +115,7 @@ class _Grower:
         sinks: dict[str, str] = {}
         boundaries: dict[TensorRef, str] = {}
         whole: set[TensorRef] = set()  # inputs some region node reads unsplit
+        whole_reads: set[tuple[str, int]] = set()
         pending: list[str] = []
 
         def try_add(name: str, via: TensorRef, via_axis: int) -> str | None:
@@ -109,28 +129,29 @@ class _Grower:
             dim_class = class_of(classes, via, via_axis)
             if dim_class is None:
                 return f"{node.op} cannot split {via} along axis {via_axis}"
-            for ref, ref_axis in dim_class.members:
+            for ref, ref_axis in dim_class.tensors():
                 if axes.get(ref, ref_axis) != ref_axis:
                     return f"{ref} would be split along two axes"
-                if ref in whole:
+                if ref.node == name and ref in whole:
                     return f"{ref} is read whole by another node of the region"
-            split_here = dict(dim_class.members)
-            for ref in graph.inputs(name):
-                # Every reader in the loop sees the same chunk of a split tensor, so a node
-                # cannot read one tensor both split and whole (e.g. x in x @ xᵀ split by rows).
-                if ref in split_here:
-                    roles = sum(1 for c in classes if (ref, split_here[ref]) in c.members)
-                    if roles > 1:
-                        return f"{node.op} reads {ref} in two roles that split differently"
-                elif ref in axes:
+            split_positions = dim_class.operands()
+            reads_whole = []
+            for position, ref in enumerate(graph.inputs(name)):
+                if position in split_positions:
+                    continue
+                # Every reader in the loop sees the same chunk of a tensor the loop computes;
+                # a tensor from outside can be fed both sliced and whole (x in x @ xᵀ).
+                if ref.node in members or ref.node == name:
                     return f"{node.op} reads split tensor {ref} whole"
+                reads_whole.append((position, ref))
             if graph.control_inputs(name):
                 return f"{name} waits on control inputs, which a loop body cannot keep"
             if graph.control_dependants(name):
                 return f"{name} has control dependants"
             members[name] = dim_class
-            axes.update(dim_class.members)
-            whole.update(ref for ref in graph.inputs(name) if ref not in split_here)
+            axes.update(dim_class.tensors())
+            whole.update(ref for _, ref in reads_whole)
+            whole_reads.update((name, position) for position, _ in reads_whole)
             if dim_class.combine is not None:
                 sinks[name] = dim_class.combine
             pending.append(name)
@@ -143,7 +164,7 @@ class _Grower:
         while pending:
             name = pending.pop()
             dim_class = members[name]
-            for ref, ref_axis in dim_class.members:
+            for ref, ref_axis in dim_class.tensors():
                 if ref.node not in members:  # an input: recompute it if large, else slice it
                     nbytes = graph.nbytes(ref) or 0
                     if nbytes > self.large and graph.node(ref.node).op not in GRAPH_INPUT_OPS:
@@ -158,7 +179,7 @@ class _Grower:
                     if why is not None:
                         boundaries[ref] = why
         order = [n for n in graph.topological_order() if n in members]
-        region = Region(seed, size, {r: a for r, a in axes.items()}, order, sinks, boundaries)
+        region = Region(seed, size, dict(axes), order, sinks, boundaries, whole_reads)
         _make_convex(graph, region)
         if not region.nodes:
             return "nothing can be computed in chunks"
@@ -166,9 +187,12 @@ class _Grower:
 
 
 def _make_convex(graph: Graph, region: Region) -> None:
-    """Drops region nodes that read (through outside nodes) what the region itself computes."""
+    """Drops region nodes that read what the region itself computes, but only has whole
+    after the loop: through outside nodes, or straight from a sink (a reduction over the
+    split axis, e.g. the mean in `k - mean(k)`, is a partial sum until the last chunk)."""
     while True:
         members = set(region.nodes)
+        sinks = set(region.sinks)
         downstream: set[str] = set()  # outside nodes that depend on the region
         for name in graph.topological_order():  # producers first: one sweep finds them all
             if name in members:
@@ -177,7 +201,7 @@ def _make_convex(graph: Graph, region: Region) -> None:
             if producers & (members | downstream):
                 downstream.add(name)
         bad = [name for name in region.nodes
-               if {r.node for r in graph.inputs(name)} & downstream]
+               if {r.node for r in graph.inputs(name)} & (downstream | sinks)]
         if not bad:
             break
         drop = set(bad)
@@ -187,13 +211,17 @@ def _make_convex(graph: Graph, region: Region) -> None:
         for name in drop:
             for ref in graph.inputs(name):
                 if ref.node in members and ref.node not in drop:
-                    region.boundaries[ref] = f"{name} depends on the region through outside nodes"
+                    region.boundaries[ref] = (
+                        f"{name} reads {ref.node}, a reduction over the split axis, complete only "
+                        "after the loop" if ref.node in sinks
+                        else f"{name} depends on the region through outside nodes")
         region.nodes = [n for n in region.nodes if n not in drop]
         region.sinks = {n: c for n, c in region.sinks.items() if n not in drop}
     members = set(region.nodes)
     used = {ref for name in region.nodes for ref in graph.inputs(name)}
     region.axes = {ref: axis for ref, axis in region.axes.items()
                    if ref.node in members and ref.node not in region.sinks or ref in used}
+    region.whole_reads = {(name, position) for name, position in region.whole_reads if name in members}
 
 
 def grow_region(graph: Graph, seed: TensorRef, axis: int, large: int) -> Region | str:

@@ -1,11 +1,14 @@
 """Split rules: how the dimensions of an op's inputs and outputs correspond.
 
 Each supported op is described by its *dimension classes*, as in einsum notation:
-a class lists the `(tensor, axis)` pairs that must be split together. For
+a class lists the `(operand, axis)` pairs that must be split together, where an
+operand is one input *position* of the node or one of its outputs. For
 `MatMul(a[m,k], b[k,n]) → out[m,n]` the classes are `m: {a.0, out.0}`,
 `n: {b.1, out.1}` and `k: {a.1, b.0}`. A class that contains an output *maps* the split
 through the op; a class without one *reduces* the split dimension, and names the
-`combine` that merges per-chunk results (sum, max, top-k merge, ...).
+`combine` that merges per-chunk results (sum, max, top-k merge, ...). Positions, not
+tensors, because one tensor may play two roles: in `X @ Xᵀ` split by rows, input 0 is
+sliced and input 1 is read whole.
 
 A few ops carry the full size of a dimension in a constant input (the target shape of a
 `Reshape`, the `size` of a `Slice`); `chunk_patches` says how to rewrite those constants
@@ -23,15 +26,32 @@ from tensorflow.core.framework import node_def_pb2
 
 from tfmem.graph import Graph, TensorRef
 
-Member = tuple[TensorRef, int]
+@dataclasses.dataclass(frozen=True, order=True)
+class Operand:
+    """Input `position` of node `node`, which reads tensor `ref`."""
+
+    node: str
+    position: int
+    ref: TensorRef = dataclasses.field(compare=False)
+
+
+Member = tuple["Operand | TensorRef", int]  # an input position or an output, and one of its axes
 
 
 @dataclasses.dataclass(frozen=True)
 class DimClass:
-    """Tensor axes that are split together; `combine` names the merge of a reduced class."""
+    """Axes that are split together; `combine` names the merge of a reduced class."""
 
     members: tuple[Member, ...]
     combine: str | None = None
+
+    def tensors(self) -> list[tuple[TensorRef, int]]:
+        """The members as `(tensor, axis)`: an input position stands for the tensor it reads."""
+        return [(m.ref if isinstance(m, Operand) else m, axis) for m, axis in self.members]
+
+    def operands(self) -> dict[int, int]:
+        """Input position → its split axis, for the input positions in this class."""
+        return {m.position: axis for m, axis in self.members if isinstance(m, Operand)}
 
 
 class NoRule(Exception):
@@ -50,17 +70,25 @@ _REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod":
                "All": "all", "Any": "any"}
 
 
-def _shape(graph: Graph, tensor: TensorRef) -> list[int]:
-    shape = graph.spec(tensor).shape
+def _operands(graph: Graph, node: node_def_pb2.NodeDef) -> list[Operand]:
+    return [Operand(node.name, i, ref) for i, ref in enumerate(graph.inputs(node.name))]
+
+
+def _ref(tensor: Operand | TensorRef) -> TensorRef:
+    return tensor.ref if isinstance(tensor, Operand) else tensor
+
+
+def _shape(graph: Graph, tensor: Operand | TensorRef) -> list[int]:
+    shape = graph.spec(_ref(tensor)).shape
     if not shape.is_fully_defined():
-        raise NoRule(f"{tensor} has no static shape")
+        raise NoRule(f"{_ref(tensor)} has no static shape")
     return shape.as_list()
 
 
-def _const(graph: Graph, tensor: TensorRef, what: str) -> np.ndarray:
-    value = graph.constant_value(tensor)
+def _const(graph: Graph, tensor: Operand | TensorRef, what: str) -> np.ndarray:
+    value = graph.constant_value(_ref(tensor))
     if value is None:
-        raise NoRule(f"its {what} ({tensor}) is not a constant")
+        raise NoRule(f"its {what} ({_ref(tensor)}) is not a constant")
     return value
 
 
@@ -68,7 +96,7 @@ def _elementwise(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     """Broadcasting: output axis j lines up with each input's axis j - (rank_out - rank_in)."""
     out = TensorRef(node.name)
     out_shape = _shape(graph, out)
-    inputs = graph.inputs(node.name)
+    inputs = _operands(graph, node)
     classes = []
     for j, size in enumerate(out_shape):
         members: list[Member] = [(out, j)]
@@ -82,12 +110,12 @@ def _elementwise(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 
 def _unary(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    (x,) = graph.inputs(node.name)[:1]
+    x = _operands(graph, node)[0]
     return [DimClass(((x, j), (TensorRef(node.name), j))) for j in range(len(_shape(graph, x)))]
 
 
 def _reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, axes_ref = graph.inputs(node.name)
+    x, axes_ref = _operands(graph, node)
     rank = len(_shape(graph, x))
     axes = {int(a) % rank for a in np.ravel(_const(graph, axes_ref, "axis"))}
     keep = node.attr["keep_dims"].b
@@ -104,7 +132,7 @@ def _reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 
 def _arg_reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, axis_ref = graph.inputs(node.name)
+    x, axis_ref = _operands(graph, node)
     rank = len(_shape(graph, x))
     axis = int(_const(graph, axis_ref, "axis")) % rank
     out = TensorRef(node.name)
@@ -114,7 +142,7 @@ def _arg_reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 
 def _top_k(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x = graph.inputs(node.name)[0]
+    x = _operands(graph, node)[0]
     rank = len(_shape(graph, x))
     values, indices = TensorRef(node.name, 0), TensorRef(node.name, 1)
     return [DimClass(((x, j), (values, j), (indices, j))) for j in range(rank - 1)] + [
@@ -122,7 +150,7 @@ def _top_k(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 
 def _matmul(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    a, b = graph.inputs(node.name)
+    a, b = _operands(graph, node)
     out = TensorRef(node.name)
     if node.op == "MatMul":
         ta, tb = node.attr["transpose_a"].b, node.attr["transpose_b"].b
@@ -147,7 +175,7 @@ def _matmul(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 
 def _triangular_solve(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    matrix, rhs = graph.inputs(node.name)
+    matrix, rhs = _operands(graph, node)
     out = TensorRef(node.name)
     rank = len(_shape(graph, rhs))
     if len(_shape(graph, matrix)) != 2:
@@ -157,14 +185,14 @@ def _triangular_solve(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass
 
 
 def _transpose(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, perm_ref = graph.inputs(node.name)
+    x, perm_ref = _operands(graph, node)
     perm = [int(p) for p in _const(graph, perm_ref, "permutation")]
     out = TensorRef(node.name)
     return [DimClass(((x, p), (out, j))) for j, p in enumerate(perm)]
 
 
 def _expand_dims(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, axis_ref = graph.inputs(node.name)
+    x, axis_ref = _operands(graph, node)
     rank = len(_shape(graph, x))
     new = int(_const(graph, axis_ref, "axis")) % (rank + 1)
     out = TensorRef(node.name)
@@ -172,7 +200,7 @@ def _expand_dims(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 
 def _squeeze(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x = graph.inputs(node.name)[0]
+    x = _operands(graph, node)[0]
     shape = _shape(graph, x)
     dims = {d % len(shape) for d in node.attr["squeeze_dims"].list.i} or {
         j for j, s in enumerate(shape) if s == 1}
@@ -197,21 +225,29 @@ def _reshape_axes(in_shape: list[int], out_shape: list[int]) -> list[tuple[int, 
 
 
 def _reshape(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, shape_ref = graph.inputs(node.name)
+    x, shape_ref = _operands(graph, node)
     _const(graph, shape_ref, "target shape")
     out = TensorRef(node.name)
     return [DimClass(((x, i), (out, j))) for i, j in _reshape_axes(_shape(graph, x), _shape(graph, out))]
 
 
 def _tile(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, multiples_ref = graph.inputs(node.name)
+    """Untiled axes map through; an axis tiled from size 1 is a broadcast, which splits like
+    a `Fill` (its multiple is patched per chunk). (The gradient of a sum tiles like that.)"""
+    x, multiples_ref = _operands(graph, node)
     multiples = _const(graph, multiples_ref, "multiples")
-    out = TensorRef(node.name)
-    return [DimClass(((x, j), (out, j))) for j, m in enumerate(multiples) if int(m) == 1]
+    out, shape = TensorRef(node.name), _shape(graph, x)
+    classes = []
+    for j, m in enumerate(multiples):
+        if int(m) == 1:
+            classes.append(DimClass(((x, j), (out, j))))
+        elif shape[j] == 1:
+            classes.append(DimClass(((out, j),)))
+    return classes
 
 
 def _broadcast_to(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, shape_ref = graph.inputs(node.name)
+    x, shape_ref = _operands(graph, node)
     _const(graph, shape_ref, "target shape")
     out = TensorRef(node.name)
     in_shape, out_shape = _shape(graph, x), _shape(graph, out)
@@ -223,8 +259,16 @@ def _broadcast_to(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     return classes
 
 
+def _fill(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """A splat reads nothing along its axes: any of them splits (its dims constant is patched)."""
+    dims_ref = graph.inputs(node.name)[0]
+    _const(graph, dims_ref, "dims")
+    out = TensorRef(node.name)
+    return [DimClass(((out, j),)) for j in range(len(_shape(graph, out)))]
+
+
 def _slice(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    x, begin_ref, size_ref = graph.inputs(node.name)
+    x, begin_ref, size_ref = _operands(graph, node)
     begin, size = _const(graph, begin_ref, "begin"), _const(graph, size_ref, "size")
     shape, out = _shape(graph, x), TensorRef(node.name)
     return [DimClass(((x, j), (out, j))) for j in range(len(shape))
@@ -270,17 +314,79 @@ def _strided_slice_specs(graph: Graph, node: node_def_pb2.NodeDef) -> list[tuple
 
 def _strided_slice(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     """Slices such as `x[:, None, :]` or `x[..., None]`: axes taken whole map through."""
-    x, out = graph.inputs(node.name)[0], TensorRef(node.name)
+    x, out = _operands(graph, node)[0], TensorRef(node.name)
     return [DimClass(((x, i), (out, o))) for i, o, whole in _strided_slice_specs(graph, node)
             if whole and i is not None and o is not None]
 
 
 def _concat(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    *values, axis_ref = graph.inputs(node.name)
+    *values, axis_ref = _operands(graph, node)
     out = TensorRef(node.name)
     rank = len(_shape(graph, out))
     axis = int(_const(graph, axis_ref, "axis")) % rank
     return [DimClass(tuple([(v, j) for v in values] + [(out, j)])) for j in range(rank) if j != axis]
+
+
+def _row_wise(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """Softmax-like ops normalise along the last axis, which they need whole; every other
+    axis maps through (all inputs and outputs share the input's shape)."""
+    operands = _operands(graph, node)
+    outputs = [TensorRef(node.name, i) for i in range(len(graph.output_specs(node.name)))]
+    rank = len(_shape(graph, operands[0]))
+    classes = []
+    for j in range(rank - 1):
+        members: list[Member] = [(x, j) for x in operands if len(_shape(graph, x)) == rank]
+        members += [(out, j) for out in outputs if len(_shape(graph, out)) > j]
+        classes.append(DimClass(tuple(members)))
+    return classes
+
+
+def _l2_loss(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    x = _operands(graph, node)[0]
+    return [DimClass(((x, j),), combine="sum") for j in range(len(_shape(graph, x)))]
+
+
+def _einsum(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """Einsum: a class per index letter; a letter missing from the output is summed over."""
+    equation = node.attr["equation"].s.decode().replace(" ", "")
+    operands = _operands(graph, node)
+    out = TensorRef(node.name)
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if not arrow or len(terms) != len(operands):
+        raise NoRule(f"einsum equation {equation!r} has no explicit output")
+    shapes = [_shape(graph, x) for x in operands]
+    out_shape = _shape(graph, out)
+    # "..." stands for the leading axes each term lacks; number them from the right so
+    # that they broadcast like elementwise ops.
+    ellipsis_rank = max((len(shape) - len(term.replace("...", "")) for term, shape in zip(terms, shapes)),
+                        default=0)
+
+    def letters(term: str, rank: int) -> list[str]:
+        if "..." not in term:
+            return list(term)
+        before, after = term.split("...")
+        dots = rank - len(before) - len(after)
+        return list(before) + [f"...{ellipsis_rank - dots + k}" for k in range(dots)] + list(after)
+
+    in_letters = [letters(t, len(s)) for t, s in zip(terms, shapes)]
+    out_letters = letters(rhs, len(out_shape))
+    if any(len(ls) != len(set(ls)) for ls in in_letters + [out_letters]):
+        raise NoRule(f"einsum equation {equation!r} repeats an index within a term (a diagonal)")
+    classes = []
+    for letter in dict.fromkeys(ls for term in in_letters + [out_letters] for ls in term):
+        members: list[Member] = []
+        sizes = set()
+        for x, term, shape in zip(operands, in_letters, shapes):
+            if letter in term and shape[term.index(letter)] != 1:  # size 1: broadcast, invariant
+                members.append((x, term.index(letter)))
+                sizes.add(shape[term.index(letter)])
+        if letter in out_letters:
+            members.append((out, out_letters.index(letter)))
+        if len(sizes) > 1:
+            raise NoRule(f"einsum index {letter!r} has sizes {sorted(sizes)}")
+        classes.append(DimClass(tuple(members), combine=None if letter in out_letters else "sum"))
+    return classes
 
 
 _RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
@@ -292,7 +398,8 @@ _RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
     "MatrixTriangularSolve": _triangular_solve, "Transpose": _transpose,
     "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Reshape": _reshape, "Tile": _tile,
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice,
-    "ConcatV2": _concat,
+    "ConcatV2": _concat, "Fill": _fill, "Einsum": _einsum, "L2Loss": _l2_loss,
+    **dict.fromkeys(["Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits"], _row_wise),
 }
 SUPPORTED_OPS = frozenset(_RULES)
 
@@ -311,9 +418,10 @@ def dim_classes(graph: Graph, name: str) -> list[DimClass]:
 
 
 def class_of(classes: list[DimClass], tensor: TensorRef, axis: int) -> DimClass | None:
-    """The class holding `(tensor, axis)`, or None if that axis cannot be split through the op."""
+    """The first class holding `(tensor, axis)` as an output or through an input position,
+    or None if that axis cannot be split through the op."""
     for dim_class in classes:
-        if (tensor, axis) in dim_class.members:
+        if (tensor, axis) in dim_class.tensors():
             return dim_class
     return None
 
@@ -332,11 +440,16 @@ def chunk_patches(graph: Graph, name: str, out_axis: int | None, chunk: int,
     """
     node = graph.node(name)
     inputs = graph.inputs(name)
-    if node.op in ("Reshape", "BroadcastTo") and out_axis is not None:
-        shape = np.array(_const(graph, inputs[1], "target shape"))
+    if node.op == "Tile" and out_axis is not None and 0 not in in_axes:
+        multiples = np.array(_const(graph, inputs[1], "multiples"))
+        multiples[out_axis] = chunk
+        return {1: multiples}
+    if node.op in ("Reshape", "BroadcastTo", "Fill") and out_axis is not None:
+        position = 0 if node.op == "Fill" else 1
+        shape = np.array(_const(graph, inputs[position], "target shape"))
         if shape[out_axis] != -1:
             shape[out_axis] = chunk
-        return {1: shape}
+        return {position: shape}
     if node.op == "Slice" and 0 in in_axes:
         size = np.array(_const(graph, inputs[2], "size"))
         if size[in_axes[0]] != -1:

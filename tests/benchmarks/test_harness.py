@@ -22,8 +22,9 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     out_dir = tmp_path_factory.mktemp("quick")
     out = os.path.join(out_dir, "results.json")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # No wall-clock limit here: the harness's own time caps scale with the machine's load.
     proc = subprocess.run([sys.executable, "-m", "benchmarks.harness", "--quick", f"--out={out}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+                          cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f), str(out_dir)
@@ -68,9 +69,15 @@ def test_step_timing_keeps_calling_until_min_seconds() -> None:
     from benchmarks.cases import _time_steps
 
     calls = []
+    start = time.perf_counter()
     timed = _time_steps(lambda: (calls.append(1), time.sleep(0.01)), repeats=3, min_seconds=0.1)
-    assert timed["steps_timed"] == len(calls) >= 8  # 3 calls would be 0.03 s: it went on
-    assert 0.009 < timed["step_s"] < 0.1
+    # It went on past the 3 repeats until the calls had lasted 0.1 s, however slow the machine.
+    assert timed["steps_timed"] == len(calls) >= 3
+    assert time.perf_counter() - start >= 0.1
+    assert timed["step_s"] > 0.009  # each call sleeps 10 ms (no upper bound: the machine may be busy)
+    calls.clear()
+    quick = _time_steps(lambda: calls.append(1), repeats=3, min_seconds=0.05)  # microseconds a call
+    assert quick["steps_timed"] == len(calls) > 3
     assert _time_steps(lambda: calls.append(1), repeats=0, min_seconds=5.0) == {"step_s": None, "steps_timed": 0}
 
 

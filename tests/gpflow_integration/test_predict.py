@@ -75,4 +75,4 @@ def test_batched_predictions_with_splitting(regression_data, rng):
     for got, want in zip(predictor.predict_y(X_test), model.predict_y(X_test)):
         np.testing.assert_allclose(got, want.numpy(), rtol=RTOL, atol=1e-10)
     report = predictor.functions["predict_y"].report(tf.constant(X_test[:100]))
-    assert any(r.status == "split" for r in report.records), str(report)
+    assert report.splits, str(report)

@@ -9,19 +9,26 @@ import pytest
 import yaml
 
 import tfmem
-from gpflow_integration.settings import CompareSettings, load_settings, read_sections
+from gpflow_integration.settings import CompareSettings, load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["sgpr.yaml", "low-memory.yaml"])
-def test_bundled_configs_load(name):
-    settings, config = load_settings(CONFIGS / name)
+BUNDLED = sorted(path.name for path in CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_configs_load(name, quick):
+    """compare reads the same tfmem config as tfmem itself (one loader), from every bundled file."""
+    settings, config = load_settings(CONFIGS / name, quick=quick)
     assert isinstance(config, tfmem.Config)
     assert settings.model == "sgpr"
     sections = yaml.safe_load((CONFIGS / name).read_text())
-    assert set(sections["tfmem"]) <= set(tfmem.Config.keys())
-    assert set(sections["compare"]) - {"quick"} <= set(CompareSettings.keys())
+    if not quick or "quick" not in sections.get("compare", {}):
+        assert config == tfmem.Config.from_yaml(CONFIGS / name)
+    if "compare" in sections:
+        assert set(sections["compare"]) - {"quick"} <= set(CompareSettings.keys())
 
 
 @pytest.mark.parametrize("name", ["sgpr.yaml", "low-memory.yaml"])
@@ -45,9 +52,24 @@ def _in_quick_block(lines: list[str], index: int) -> bool:
 
 
 def test_quick_overrides_and_flags():
-    settings, _ = load_settings(CONFIGS / "sgpr.yaml", quick=True, overrides={"memory_budget": "64MiB"})
+    settings, config = load_settings(CONFIGS / "sgpr.yaml", quick=True, overrides={"memory_budget": "64MiB"})
     assert settings.dataset == "synthetic"
     assert settings.memory_budget == 64 * 2**20
+    # The bundled quick run keeps the tfmem section: the trial's allocator limit is the budget.
+    assert config == tfmem.Config.from_yaml(CONFIGS / "sgpr.yaml")
+    assert config.memory_budget is None and config.tensor_size_threshold is None
+    settings, _ = load_settings(CONFIGS / "sgpr.yaml", quick=True, overrides={"output_dir": "mine"})
+    assert settings.output_dir == "mine"
+
+
+def test_quick_tfmem_keys_replace_the_tfmem_section(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text("compare:\n  quick:\n    tfmem:\n      tensor_size_threshold: 1MB\n"
+                    "tfmem:\n  jit_compile: false\n")
+    _, quick = load_settings(path, quick=True)
+    _, full = load_settings(path)
+    assert quick.tensor_size_threshold == 10**6 and full.tensor_size_threshold is None
+    assert not quick.jit_compile and not full.jit_compile  # the rest comes from the tfmem section
 
 
 def test_flat_tfmem_file_is_a_tfmem_section(tmp_path):
@@ -59,15 +81,19 @@ def test_flat_tfmem_file_is_a_tfmem_section(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("compare:\n  modle: sgpr\n", "unknown key.*'modle'"),
+    ("compare:\n  modle: sgpr\n", "section 'compare': unknown key 'modle' \\(did you mean 'model'\\?\\)"),
     ("compare:\n  model: gpr\n", "model not supported"),
     ("tfmem:\n  tensor_size_threshold: lots\n", "section 'tfmem'.*cannot parse size"),
     ("tfmem:\n  threshold: 1GB\n", "unknown key.*threshold"),
-    ("compare: {}\nextra: 1\n", "unknown top-level key"),
+    ("compare: {}\nextra: 1\n", "key 'extra' is not a section"),
+    ("compare: {}\ncompar: {}\n", "sections: unknown key 'compar' \\(did you mean 'compare'\\?\\)"),
+    ("compare:\n  quick:\n    tfmem:\n      strict: maybe\n", "section 'compare.quick.tfmem': strict"),
+    ("compare:\n  quick:\n    num_trian: 5\n", "section 'compare.quick': unknown key 'num_trian'"),
+    ("compare:\n  memory_budget: -1GB\n", "memory_budget: a size must not be negative"),
     ("compare:\n  inducing_points: [400, 200]\n", "increasing"),
     ("compare:\n  memory_budget: 0\n", "budget is required"),
     ("compare: [\n", "not valid YAML"),
-    ("- 1\n- 2\n", "mapping at the top level"),
+    ("- 1\n- 2\n", "expected keys at the top level"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
@@ -78,7 +104,7 @@ def test_bad_files_name_the_problem(tmp_path, text, message):
 
 def test_unreadable_file(tmp_path):
     with pytest.raises(ValueError, match="cannot be read"):
-        read_sections(tmp_path / "missing.yaml")
+        load_settings(tmp_path / "missing.yaml")
 
 
 def test_settings_are_frozen():
@@ -86,7 +112,7 @@ def test_settings_are_frozen():
         CompareSettings().model = "gpr"  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", ["sgpr.yaml", "low-memory.yaml"])
+@pytest.mark.parametrize("name", BUNDLED)
 def test_wrappers_take_the_tfmem_section_of_a_config_file(name):
     from gpflow_integration import Scipy
 

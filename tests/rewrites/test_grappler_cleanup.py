@@ -12,6 +12,7 @@ from tfmem.graph import Graph, GraphError
 from tfmem.passes import PassManager
 from tfmem.pattern import RuleSet
 from tfmem.wrapper import TfmemFunction
+from tfmem.isolation import run_isolated
 
 SPEC = tf.TensorSpec([4, 3], tf.float32)
 
@@ -57,7 +58,7 @@ def test_results_unchanged_and_placeholders_and_outputs_preserved(rng):
     assert {n.name for n in after.find("Placeholder")} == {"x", "y"}
     assert after.outputs == graph.outputs
     x, y = (rng.normal(size=(4, 3)).astype(np.float32) for _ in range(2))
-    got = import_as_function(captured, after.to_graph_def(), after.outputs, jit_compile=False)(x, y)
+    got = import_as_function(captured, after, jit_compile=False)(x, y)
     np.testing.assert_allclose(got, noisy(tf.constant(x), tf.constant(y)), rtol=1e-6)
 
 
@@ -137,3 +138,16 @@ def test_reaches_a_fixed_point():
     captured = captured_of(noisy, SPEC, SPEC)
     result = PassManager([GrapplerCleanup()], lint=True).run(captured.to_graph(), Config())
     assert result.iterations <= 2
+
+
+def test_cleanup_never_builds_a_large_tensor_on_the_host() -> None:
+    # 2.4 GB per [20000, 15000] float64 tensor: an argument, a zeros_like of it, a ones and
+    # an [M, M] eye. Grappler folds splats into constants after building them on the host,
+    # and feeds every placeholder a made-up tensor of its shape; the cleanup stage hides
+    # them from it. A fresh process, so the resident-set high-water mark is the stage's own.
+    rows, cols = 20_000, 15_000
+    result = run_isolated("tfmem.testing:cleanup_host_memory", rows, cols, timeout=None)
+    assert result.ok, result.error
+    assert result.value["rss_growth_bytes"] < 200 * 2**20, result.value
+    ops = result.value["ops"]
+    assert ops.get("Fill", 0) >= 2 and ops.get("Placeholder") == 1, ops

@@ -47,7 +47,6 @@ def test_parse_size_units(text: object, expected: int | None) -> None:
     ({"tensor_size_threshold": float("inf")}, "tensor_size_threshold"),
     ({"tensor_size_threshold": "1GB", "tensor_split_size": "2GB"}, "tensor_split_size"),
     ({"tensor_split_size": "1MB"}, "tensor_split_size"),
-    ({"memory_budget": "1GB"}, "memory_budget"),
     ({"tensor_size_threshold": "1GB", "memory_budget": "lots"}, "memory_budget"),
     ({"tensor_size_treshold": "1GB"}, "tensor_size_treshold"),
     ({"passes": ["cleanup", "fold_everything"]}, "passes"),
@@ -97,7 +96,7 @@ def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
         Config.from_yaml(broken)
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
-    with pytest.raises(ValueError, match="expected a mapping"):
+    with pytest.raises(ValueError, match="expected keys at the top level"):
         Config.from_yaml(listing)
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("tensor_size_threshold: 1GB\nchunk: 3\n")
@@ -152,3 +151,92 @@ def test_config_is_frozen_and_hashable() -> None:
                                           (int(1.5 * 2**30), "1.5 GiB")])
 def test_format_size(nbytes: int | None, text: str) -> None:
     assert format_size(nbytes) == text
+
+
+def test_memory_budget_alone_is_a_complete_config() -> None:
+    config = Config(memory_budget="1GB")
+    assert (config.memory_budget, config.tensor_size_threshold) == (10**9, None)
+    assert Config(memory_budget="1GB", tensor_split_size="64MB").tensor_split_size == 64 * 10**6
+
+
+# --- one loader for every config file, one coercion for every `config=` -----------------
+
+BUNDLED = sorted(path.name for path in (REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_config_loads_everywhere_it_is_documented(name: str) -> None:
+    """`tfmem.function(config=)`, `config_scope`, `TFMEM_CONFIG`, `--tfmem_config`, `Config.from_yaml`
+    and `Config.coerce` all read a bundled file the same way (the CLI's `--config` and
+    `gpflow_integration` are checked in their own tests)."""
+    from tfmem.wrapper import TfmemFunction
+
+    path = REPO / "configs" / name
+    expected = Config.from_yaml(path)
+    assert Config.coerce(path) == Config.coerce(str(path)) == expected
+    assert TfmemFunction(lambda x: x, config=str(path)).config == expected
+    with config_scope(path) as scoped:
+        assert scoped == expected
+    assert Config.from_env({"TFMEM_CONFIG": str(path)}) == expected
+    flag_values = flags.FlagValues()
+    define_flags(flag_values)
+    flag_values(["prog", f"--tfmem_config={path}"])
+    assert Config.from_flags(flag_values) == expected
+    values = yaml.safe_load(path.read_text())
+    if "tfmem" in values:  # a sectioned file: the tfmem section, and nothing else, is the config
+        assert expected == Config.from_mapping(values["tfmem"])
+    else:
+        assert expected == Config.from_mapping(values)
+
+
+def test_sectioned_file_reads_its_tfmem_section(tmp_path: Path) -> None:
+    path = tmp_path / "both.yaml"
+    path.write_text("tfmem:\n  tensor_size_threshold: 64MB\nother_tool:\n  anything: [1, 2]\n")
+    assert Config.from_yaml(path) == Config(tensor_size_threshold="64MB")
+    only_other = tmp_path / "other.yaml"
+    only_other.write_text("other_tool:\n  anything: 1\n")
+    assert Config.from_yaml(only_other) == Config()  # no tfmem section: the defaults
+
+
+def test_coerce_keeps_configs_and_none_and_rejects_other_types() -> None:
+    config = Config(strict=True)
+    assert Config.coerce(config) is config
+    assert Config.coerce(None) is None
+    assert Config.coerce({"strict": True}) == config
+    with pytest.raises(TypeError, match="expected a tfmem.Config, a mapping of its keys or a YAML path"):
+        Config.coerce(3)
+
+
+def _one_line_error(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as caught:
+        Config.from_yaml(path)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    assert str(path) in message, message
+    return message
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("tensor_size_treshold: 1GB\n", "unknown key 'tensor_size_treshold' (did you mean 'tensor_size_threshold'?)"),
+    ("tfmem:\n  strcit: true\n", "section 'tfmem': unknown key 'strcit' (did you mean 'strict'?)"),
+    ("tfmem:\n  tensor_size_threshold: -64MB\n",
+     "section 'tfmem': tensor_size_threshold: a size must not be negative, got '-64MB'"),
+    ("tensor_size_threshold: -5\n", "tensor_size_threshold: a size must not be negative, got -5"),
+    ("verify_rtol: -0.1\n", "verify_rtol: must not be negative"),
+    ("tensor_size_threshold: 64MBB\n", "unknown size unit 'MBB' in '64MBB' (did you mean 'mb'?)"),
+    ("passes: [cleanup, splt]\n", "unknown pass stage 'splt' (did you mean 'split'?)"),
+    ("tfme:\n  strict: true\n", "no 'tfmem' section; is section 'tfme' a typo of 'tfmem'?"),
+    ("tfmem:\n  strict: true\ntensor_size_threshold: 1GB\n",
+     "key 'tensor_size_threshold' is not a section (a mapping of keys), got '1GB'; put it under 'tfmem:'"),
+    ("tensor_size_threshold: [1GB\n", "not valid YAML at line 2, column 1"),
+    ("- 1\n- 2\n", "expected keys at the top level, got list"),
+])
+def test_file_errors_are_one_line_naming_file_key_and_problem(tmp_path: Path, text: str, expected: str) -> None:
+    assert expected in _one_line_error(tmp_path, text)
+
+
+def test_unknown_environment_variable_suggests_the_right_one() -> None:
+    with pytest.raises(ValueError, match=r"TFMEM_TENSOR_SIZE_TRESHOLD \(did you mean 'TFMEM_TENSOR_SIZE_THRESHOLD'\?\)"):
+        Config.from_env({"TFMEM_TENSOR_SIZE_TRESHOLD": "1GB"})

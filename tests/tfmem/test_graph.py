@@ -122,3 +122,19 @@ def test_library_functions_are_carried() -> None:
     (loop,) = list(graph.find(("While", "StatelessWhile")))
     assert graph.function(loop.attr["body"].func.name) is not None
     assert len(graph.to_graph_def().library.function) == len(graph_def.library.function)
+
+
+def test_only_the_graph_view_parses_graphdef_input_strings() -> None:
+    # "node:port" and "^control" strings are Graph's business: everything else speaks in
+    # TensorRefs and node names (a hand-written edit elsewhere is how control edges got lost).
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    forbidden = re.compile(r"""split\(["']:["']\)|rpartition\(["']:["']\)|lstrip\(["']\^["']\)|"""
+                           r"""startswith\(["']\^["']\)|\.input\.(append|extend)\(|del [\w.]+\.input\[""")
+    offenders = [f"{path.relative_to(repo)}:{number}: {line.strip()}"
+                 for package in ("tfmem", "rewrites", "gpflow_integration", "benchmarks")
+                 for path in sorted((repo / package).rglob("*.py")) if path.name != "graph.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
+    assert not offenders, offenders

@@ -6,7 +6,6 @@ import tensorflow as tf
 
 import tfmem
 from tfmem import Graph, TensorRef, estimate_memory, run_isolated, xla_planned_bytes
-from tfmem.memory import loop_passthrough
 
 
 def graph_of(fn, *specs) -> Graph:
@@ -82,6 +81,14 @@ def test_xla_planned_bytes_parsed() -> None:
     assert xla_planned_bytes(tf.function(lambda x: x * 2), x) is None  # not jit-compiled
 
 
+def test_xla_plan_names_the_largest_allocation_without_the_parameters() -> None:
+    f = tf.function(lambda x: tf.reduce_sum(tf.exp(x @ tf.transpose(x)), 0), jit_compile=True)
+    big_input = tf.ones([1000, 2000])  # 8 MB parameter: not an allocation the call makes
+    plan = tfmem.xla_plan(f, big_input)
+    assert plan.total_bytes >= 8_000_000 + 4_000_000
+    assert 4_000_000 <= plan.largest_bytes < 8_000_000  # the [1000, 1000] temporary
+
+
 def test_isolated_run_reports_peak_and_real_oom() -> None:
     ok = run_isolated("tfmem.examples:allocate", 16, memory_limit_mb=256, timeout=120)
     assert ok.status == "ok", ok.error
@@ -108,7 +115,7 @@ def test_loop_invariants_handed_back_allocate_nothing() -> None:
 
     graph = graph_of(fn, tf.TensorSpec([], tf.float32), tf.TensorSpec([1000], tf.float32))
     (loop,) = list(graph.find(("While", "StatelessWhile")))
-    passed = loop_passthrough(graph, loop.name)
+    passed = graph.while_passthrough(loop.name)
     assert any(graph.spec(TensorRef(loop.name, i)).shape == [1000] for i in passed)
     # big (4000 B) is counted once, as an input, not again as the loop's output.
     assert estimate_memory(graph).peak_bytes < 2 * 4000

@@ -1,4 +1,5 @@
-"""Pattern machinery: alternatives, captures, predicates, check reasons, rule sets."""
+"""Pattern machinery: alternatives, captures, predicates, check reasons, rule sets, region
+rules and the self-containment question they share."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,8 @@ from tfmem.capture import capture, import_as_function
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import PassManager
-from tfmem.pattern import Pattern, RewriteRule, RuleSet
+from tfmem.pattern import (KEPT, Emitted, Pattern, RegionRule, RewriteRule, RuleSet, describe_reader,
+                           outside_readers, self_containment_reason, sole_reader)
 
 SPEC = tf.TensorSpec([4, 3], tf.float32)
 
@@ -21,7 +23,7 @@ def graph_of(fn, *specs: tf.TensorSpec) -> Graph:
 def run_rewritten(fn, graph: Graph, *args: np.ndarray):
     specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
     captured = capture(tf.function(fn).get_concrete_function(*specs))
-    return import_as_function(captured, graph.to_graph_def(), graph.outputs, jit_compile=False)(*args)
+    return import_as_function(captured, graph, jit_compile=False)(*args)
 
 
 def ops_of(graph: Graph) -> set[str]:
@@ -168,3 +170,118 @@ def test_rules_run_under_the_pass_manager(rng):
     assert "Neg" not in ops_of(result.graph)
     x = rng.normal(size=(4, 3)).astype(np.float32)
     np.testing.assert_array_equal(run_rewritten(fn, result.graph, x), x)
+
+
+# --- structural conditions give reasons ---------------------------------------------------
+
+def test_require_reason_skips_the_candidate_and_says_why(caplog):
+    graph = graph_of(lambda x: tf.reshape(tf.reshape(x, [3, 4]), [3, 4]), SPEC)
+
+    def same_shape(g, m):
+        return None if g.spec(m.root).shape == g.spec(m["x"]).shape else "the reshape changes the shape"
+
+    pattern = Pattern(lambda op, x: op.Reshape(x, op.any()), require=same_shape)
+    with caplog.at_level("DEBUG", logger="tfmem.pattern.matcher"):
+        (match,) = pattern.matches(graph)
+    assert graph.spec(match["x"]).shape == [3, 4]
+    assert "is not a match: the reshape changes the shape" in caplog.text
+
+
+def test_require_must_not_return_a_bare_bool():
+    graph = graph_of(lambda x: -x, SPEC)
+    pattern = Pattern(lambda op, x: op.Neg(x), require=lambda g, m: True)
+    with pytest.raises(TypeError, match="reason string or None"):
+        list(pattern.matches(graph))
+
+
+# --- self-containment: one question for every rule -------------------------------------------
+
+def _square_read_twice(x):
+    square = tf.square(x)
+    return tf.reduce_sum(square, -1), tf.exp(square)
+
+
+def test_outside_readers_lists_readers_outputs_and_kept_nodes():
+    graph = graph_of(_square_read_twice, SPEC)
+    square = TensorRef("Square")
+    (reader,) = outside_readers(graph, [square], {"Sum"})
+    assert (reader.tensor, reader.reader, reader.control_only) == (square, "Exp", False)
+    assert outside_readers(graph, [square], {"Sum", "Exp"}) == []
+    graph.keep.add("Square")
+    assert [r.reader for r in outside_readers(graph, [square], {"Sum", "Exp"})] == [KEPT]
+    returned = graph.outputs[1]
+    (output,) = outside_readers(graph, [returned], set())
+    assert self_containment_reason(graph, [output]) == f"not self-contained: {returned} is a graph output"
+
+
+def test_reason_names_up_to_three_readers_with_their_ops():
+    graph = graph_of(lambda x: (lambda s: (tf.exp(s), tf.sin(s), s / 2.0))(tf.square(x)), SPEC)
+    readers = outside_readers(graph, [TensorRef("Square")], set())
+    reason = self_containment_reason(graph, readers, subject="square {node}", consequence="kept anyway")
+    assert reason == "square Square is also read by Exp, Sin, truediv (RealDiv): kept anyway"
+
+
+def test_a_constant_waiting_by_control_edge_may_be_detached():
+    graph = graph_of(lambda x: tf.reduce_sum(tf.square(x), -1), SPEC)
+    waiting = graph.node(graph.inputs("Sum")[1].node).__class__()
+    waiting.CopyFrom(graph.node(graph.inputs("Sum")[1].node))
+    waiting.name = "waiting"
+    waiting.input.append("^Square")
+    graph.add_node(waiting)
+    (reader,) = outside_readers(graph, [TensorRef("Square")], {"Sum"})
+    assert reader.control_only and reader.waiting_constant
+    assert describe_reader(graph, reader) == "waiting (control edge)"
+    assert self_containment_reason(graph, [reader], allow_waiting_constants=True) is None
+    assert self_containment_reason(graph, [reader]) == \
+        "not self-contained: Square:0 is also read by waiting (control edge)"
+
+
+def test_sole_reader_needs_one_data_read_and_nothing_else():
+    graph = graph_of(lambda x: (tf.exp(tf.square(x)), x * x), SPEC)
+    assert sole_reader(graph, TensorRef("Square")) == "Exp"
+    assert sole_reader(graph, TensorRef("x")) is None  # read twice by Mul, and by Square
+    assert sole_reader(graph, graph.outputs[0]) is None  # a graph output
+
+
+# --- region rules ------------------------------------------------------------------------------
+
+class _NegatedExp(RegionRule):
+    """exp(-x) found by a pattern; rejects float64 with a reason; `emit` may fail."""
+
+    name, rule, stage = "negated_exp", "NegatedExp", "match_and_replace"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def find(self, graph):
+        return Pattern(lambda op, x: op.Exp(op.Neg(x))).matches(graph)
+
+    def check(self, graph, match, config):
+        return "only float32" if graph.spec(match.root).dtype != tf.float32 else None
+
+    def emit(self, graph, match):
+        (new,) = graph.splice(lambda x: 1.0 / tf.exp(x), [match["x"]], scope="negated_exp")
+        if self.fail:
+            return "internal: refused"
+        graph.replace_all_uses(match.root, new)
+        return Emitted({"how": "reciprocal"}, (new.node,))
+
+
+@pytest.mark.parametrize("dtype, fail, status, reason", [
+    (tf.float32, False, "fired", ""), (tf.float64, False, "rejected", "only float32"),
+    (tf.float32, True, "rejected", "internal: refused")])
+def test_region_rule_records_every_region(dtype, fail, status, reason, rng):
+    fn = lambda x: tf.exp(-x)  # noqa: E731
+    graph = graph_of(fn, tf.TensorSpec([4, 3], dtype))
+    result = _NegatedExp(fail).run(graph, Config())
+    (record,) = result.records
+    assert (record.pass_name, record.rule, record.status, record.reason) == ("negated_exp", "NegatedExp", status, reason)
+    assert result.modified == (status == "fired")
+    assert not result.graph.lint()
+    ops = ops_of(result.graph)
+    assert ("Neg" in ops) == (status != "fired")
+    assert ("RealDiv" in ops) == (status == "fired")  # an unusable splice is pruned
+    if status == "fired":
+        assert record.details == {"how": "reciprocal"} and len(record.nodes) == 3
+        x = rng.normal(size=(4, 3)).astype(np.float32)
+        np.testing.assert_allclose(run_rewritten(fn, result.graph, x), np.exp(-x), rtol=1e-6)

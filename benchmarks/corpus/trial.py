@@ -1,0 +1,235 @@
+"""What one isolated process does for one corpus program.
+
+`tfmem.run_isolated` calls these in a fresh Python whose BFC allocator is limited to the
+program's budget; each step catches its own failure, so one process reports every step:
+
+    stock_trial(name)        stock `tf.function(jit_compile=True)` at `big` (expected: "oom")
+    tfmem_trial(name)        XLA's planned bytes for stock at `big` (compiled, not run), tfmem
+                             at `big` under the limit (status, real peak, static estimate),
+                             and tfmem vs stock at `small` (max relative error) under the
+                             budget and under a tight one that forces splits
+
+tfmem's config is `Config(memory_budget=<budget>)` and nothing else. `mode="expert"` adds
+`tensor_size_threshold = budget / 16`, the expert override that today's engine needs;
+it is a diagnostic of the split engine, never what the acceptance test runs.
+
+Example:
+    >>> result = run_isolated("benchmarks.corpus.trial:tfmem_trial", "kxx_expanded_matmul",
+    ...                       memory_limit_mb=128)
+    >>> result.value["big"]["status"], result.value["equality"]["tight"]["max_rel_err"]
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import tensorflow as tf
+
+import tfmem
+from tfmem.isolation import classify_error
+
+from benchmarks.corpus.programs import PROGRAMS, Program
+
+MODES = ("budget", "expert")
+_ERROR_CHARS = 1500
+
+
+def tfmem_config(budget: int, mode: str = "budget") -> tfmem.Config:
+    """The config a trial runs under: the budget alone, or (diagnostic) with an expert threshold."""
+    if mode == "budget":
+        return tfmem.Config(memory_budget=budget)
+    if mode == "expert":
+        return tfmem.Config(memory_budget=budget, tensor_size_threshold=budget // 16)
+    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+def call(program: Program, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Calls `function` as the program's user does: plainly, or under an outer tape.
+
+    With an outer tape the result is (outputs, gradients of their sum w.r.t. every float arg).
+    """
+    if not program.outer_tape:
+        return function(*args)
+    with tf.GradientTape() as tape:
+        tape.watch([a for a in args if a.dtype.is_floating])
+        out = function(*args)
+    return out, tape.gradient(out, [a for a in args if a.dtype.is_floating])
+
+
+def _numpy(value: Any) -> list[np.ndarray | None]:
+    return [None if v is None else np.asarray(v) for v in tf.nest.flatten(value)]
+
+
+def _peak() -> int | None:
+    try:
+        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    except (ValueError, tf.errors.OpError):
+        return None
+
+
+def _error(err: BaseException) -> dict[str, Any]:
+    return {"status": classify_error(err), "error": f"{type(err).__name__}: {str(err)[:_ERROR_CHARS]}"}
+
+
+def _measured(program: Program, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[dict[str, Any], Any]:
+    """Runs one call with the allocator's peak reset first: (record, numpy outputs or None).
+
+    The peak then counts the inputs and the model's data (allocated before) and the call.
+    """
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = time.perf_counter()
+    try:
+        value = _numpy(call(program, function, args))
+        record: dict[str, Any] = {"status": "ok"}
+    except Exception as err:  # noqa: BLE001 - an out-of-memory or error is the measurement
+        value, record = None, _error(err)
+    record.update(seconds=time.perf_counter() - start, peak_bytes=_peak())
+    return record, value
+
+
+def _report_summary(report: Any, budget: int) -> dict[str, Any]:
+    """The report's verdict: its static estimate, whether that claims to fit, and why not."""
+    estimate = report.memory_after.peak_bytes if report.memory_after is not None else None
+    unsplit = sorted({f"{r.rule}: {r.reason}" for r in report.rejected if r.kind == "split"})
+    return {
+        "report_status": report.status,
+        "report_reason": report.reason,
+        "estimate_before_bytes": report.memory_before.peak_bytes if report.memory_before is not None else None,
+        "estimate_bytes": estimate,
+        "claims_fit": bool(report.fits),
+        "xla_bytes": report.xla_bytes_after,
+        "splits": len(report.splits),
+        "unsplit": unsplit[:8],
+        "pipeline_seconds": report.pipeline_seconds,
+    }
+
+
+def _tfmem_call(program: Program, fn: Callable[..., Any], args: tuple[Any, ...], budget: int,
+                mode: str) -> tuple[dict[str, Any], list[np.ndarray | None] | None]:
+    """tfmem under `budget`: rewrite (the report), then one measured call."""
+    record: dict[str, Any] = {"budget_bytes": budget}
+    try:
+        wrapped = tfmem.function(fn, config=tfmem_config(budget, mode))
+        record.update(_report_summary(wrapped.report(*args), budget))
+    except Exception as err:  # noqa: BLE001 - e.g. the budget-only config is refused
+        return {**record, **_error(err)}, None
+    measured, value = _measured(program, wrapped, args)
+    return {**record, **measured}, value
+
+
+def _stock_planned(program: Program, fn: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, Any]:
+    """XLA's planned bytes for stock at `big`: compiled, not run.
+
+    For an outer-tape program this is the forward function alone, which must run whole
+    before any gradient: a lower bound on what the stock program needs.
+    """
+    try:
+        planned = tfmem.xla_planned_bytes(tf.function(fn, jit_compile=True), *args)
+    except Exception as err:  # noqa: BLE001
+        return {"size": program.big, **_error(err)}
+    return {"size": program.big, "status": "ok" if planned is not None else "error", "planned_bytes": planned,
+            "forward_only": program.outer_tape}
+
+
+def _big_steps(program: Program, mode: str, steps: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Stock's planned bytes and the tfmem run at `big`, on one build of the program.
+
+    One build: a second GPflow model alive beside the first would count against the limit.
+    """
+    try:
+        fn, args = program.build(program.big)
+    except Exception as err:  # noqa: BLE001 - e.g. the data alone does not fit the limit
+        failed = {"size": program.big, **_error(err)}
+        failed["error"] = f"building the program: {failed['error']}"
+        return {step: failed for step in ("stock_planned", "big") if step in steps}
+    result = {}
+    if "stock_planned" in steps:
+        result["stock_planned"] = _stock_planned(program, fn, args)
+    if "big" in steps:
+        result["big"], _ = _tfmem_call(program, fn, args, program.budget_bytes, mode)
+        result["big"]["size"] = program.big
+    return result
+
+
+def compare(got: list[np.ndarray | None], want: list[np.ndarray | None], program: Program) -> dict[str, Any]:
+    """Max relative error over float outputs (max |got − want| / max |want|, per output) and,
+    for integer outputs, the fraction of entries that differ."""
+    if len(got) != len(want):
+        return {"equal": False, "max_rel_err": float("inf"), "index_mismatch": 1.0,
+                "detail": f"{len(got)} outputs, stock has {len(want)}"}
+    worst, mismatch, detail = 0.0, 0.0, ""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g is None or w is None:
+            if (g is None) != (w is None):
+                worst, detail = float("inf"), f"output {i}: None on one side only"
+            continue
+        if g.shape != w.shape:
+            worst, detail = float("inf"), f"output {i}: shape {g.shape}, stock {w.shape}"
+            continue
+        if w.dtype.kind in "iub":
+            fraction = float(np.mean(g != w)) if w.size else 0.0
+            mismatch = max(mismatch, fraction)
+            continue
+        scale = float(np.max(np.abs(w))) if w.size else 0.0
+        diff = float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))) if w.size else 0.0
+        error = diff / scale if scale > 0 else diff
+        if not np.isfinite(error):
+            error = float("inf")
+        if error > worst:
+            worst, detail = error, f"output {i} {w.dtype}{list(w.shape)}"
+    return {"equal": worst <= program.rtol and mismatch <= program.index_mismatch, "max_rel_err": worst,
+            "index_mismatch": mismatch, "detail": detail}
+
+
+def _equality(program: Program, mode: str) -> dict[str, Any]:
+    """tfmem vs stock XLA at `small`, on the same inputs (and the same GPflow model).
+
+    Twice: under the program's budget ("budget", which `small` may fit without any
+    split), and under a tight budget ("tight": half of tfmem's static estimate of the
+    unchanged program), so that the split code paths are compared too.
+    """
+    fn, args = program.build(program.small)
+    stock, want = _measured(program, tf.function(fn, jit_compile=True), args)
+    record: dict[str, Any] = {"size": program.small, "stock": stock}
+    if want is None:
+        return {**record, "status": "error", "error": f"stock failed at the small size: {stock.get('error')}"}
+    unchanged = tfmem.function(fn, config=tfmem.Config()).report(*args).memory_before
+    for key, budget in (("budget", program.budget_bytes), ("tight", unchanged.peak_bytes // 2)):
+        record[key], got = _tfmem_call(program, fn, args, budget, mode)
+        if got is not None:
+            record[key].update(compare(got, want, program))
+    return record
+
+
+def tfmem_trial(name: str, mode: str = "budget", steps: tuple[str, ...] = ("stock_planned", "big", "equality")
+                ) -> dict[str, Any]:
+    """Stock's planned bytes and tfmem at `big`, then tfmem vs stock at `small`.
+
+    `big` runs first, on a fresh allocator: after the small size's calls, TensorFlow's
+    BFC allocator keeps the regions it grew, and a later large block may no longer fit
+    (measured: SGPR's 114 MiB block then fails under 192 MiB, and runs when first).
+    A process that dies in the big step loses the rest: `run.tfmem_record` then runs
+    the steps again, each group in its own process.
+    """
+    program = PROGRAMS[name]
+    result: dict[str, Any] = {"program": name, "mode": mode, "budget_bytes": program.budget_bytes}
+    result.update(_big_steps(program, mode, steps))
+    if "equality" in steps:
+        try:
+            result["equality"] = _equality(program, mode)
+        except Exception as err:  # noqa: BLE001 - building or rewriting at the small size failed
+            result["equality"] = {"size": program.small, **_error(err)}
+    return result
+
+
+def stock_trial(name: str, size: str = "big") -> dict[str, Any]:
+    """Stock `tf.function(jit_compile=True)` at the program's `big` (or `small`) size, run for real."""
+    program = PROGRAMS[name]
+    fn, args = program.build(getattr(program, size))
+    record, _ = _measured(program, tf.function(fn, jit_compile=True), args)
+    return {"program": name, "size": getattr(program, size), **record}

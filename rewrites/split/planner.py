@@ -1,0 +1,423 @@
+"""The split planner: which tensors become loops, and in chunks of what length.
+
+Two ways to decide, which may be combined:
+
+- by threshold (the expert override): every tensor over `tensor_size_threshold`, largest
+  first, becomes a loop whose largest body tensor is at most `tensor_split_size`;
+- by budget: while the whole program's static peak is over the budget,
+  1. if the peak is inside a loop this pass emitted, shrink that loop's chunks (its body
+     is, to first order, proportional to the chunk length);
+  2. otherwise split the largest computed tensor live at the peak;
+  then, once it fits, grow every loop's chunks as far as the budget allows: fewer,
+  larger chunks run faster (every trip costs time).
+
+A loop is kept only if the program's peak does not rise (by threshold) or falls (by
+budget): a split whose loop keeps as much alive as it saves is undone, and says so.
+Every decision is a record: a fired split (tensor, axis, chunks, chunk bytes), a
+rejected one (with the reason), and the budget's verdict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tensorflow.core.framework import node_def_pb2
+
+from tfmem.config import format_size
+from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.memory import MemoryEstimate, estimate_memory
+from tfmem.passes import RewriteRecord
+
+from rewrites.split.loops import emit_loop
+from rewrites.split.regions import GRAPH_INPUT_OPS, Region, grow_region
+
+RULE = "SplitOversizedRegions"
+_MAX_LOOPS = 64
+_MAX_BUDGET_STEPS = 48
+# A new loop's largest body tensor starts at this share of the budget: a body holds a
+# handful of chunk-sized tensors at once. Its chunks are then shrunk or grown to fit.
+_FIRST_CHUNK_SHARE = 8
+# Chunk lengths are planned to this share of the room a loop's body has (the body is only
+# roughly proportional to its chunk length), and grown only when that gains a quarter.
+_CHUNK_MARGIN = 0.9
+_WORTH_GROWING = 1.25
+# A split that takes its tensor off the peak may leave the peak where it was, or a little
+# higher (a loop keeps its inputs alive): the next split, now possible, lowers it. Each
+# seed is tried once, so the search still ends.
+_TOLERATED_RISE = 1.02
+# A tensor under this share of what is over the plan (or of a chunk) is not worth a loop.
+_WORTH_SPLITTING = 16
+# A shrink must win back at least this share of the overshoot (each one doubles the trips).
+_SHRINK_GAIN = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A loop this pass emitted, with what it needs to be undone or re-chunked.
+
+    Attributes:
+        scope: the name scope of its nodes.
+        region: what it computes.
+        chunk: its chunk length.
+        per_unit: bytes of its largest body tensor per unit of chunk length.
+        saved: the region's nodes as they were before the loop replaced them.
+        replaced: original tensor → the loop's tensor that replaced it.
+        record: the index of its record in the planner's records.
+    """
+
+    scope: str
+    region: Region
+    chunk: int
+    per_unit: int
+    saved: tuple[node_def_pb2.NodeDef, ...]
+    replaced: tuple[tuple[TensorRef, TensorRef], ...]
+    record: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.region.size // self.chunk)
+
+
+class Planner:
+    """One run of the split pass over one graph: its loops, records and given-up seeds."""
+
+    def __init__(self, pass_name: str, graph: Graph) -> None:
+        self.pass_name = pass_name
+        self.graph = graph
+        self.records: list[RewriteRecord] = []
+        self.loops: list[Loop] = []
+        self.given_up: set[TensorRef] = set()
+        self.seen_regions: set[tuple[str, ...]] = set()
+
+    # --- by threshold -----------------------------------------------------------------
+
+    def split_all(self, threshold: int, split_size: int) -> None:
+        """Splits around every tensor over `threshold`, largest first."""
+        graph = self.graph
+        before = estimate_memory(graph).peak_bytes
+        checkpoint = self._checkpoint()
+        while len(self.loops) < _MAX_LOOPS:
+            seed = _largest_computed(graph, threshold, self.given_up)
+            if seed is None:
+                break
+            region, reason = best_region(graph, seed, threshold, split_size)
+            if region is None or tuple(region.nodes) in self.seen_regions:
+                self.given_up.add(seed)
+                if region is None:
+                    self._reject(seed, reason)
+                continue  # a region that came back: its readers need it whole
+            self.seen_regions.add(tuple(region.nodes))
+            self.emit(region, chunk_length(graph, region, split_size), max_write_out=threshold)
+        # One loop may raise the peak a little on its own and enable the next ones: judge
+        # the splits together, and undo them together if they made the program worse.
+        after = estimate_memory(graph).peak_bytes if self.loops else before
+        if after > before:
+            tensors = [loop.region.seed.name for loop in self.loops]
+            self._rollback(checkpoint)
+            self.records.append(RewriteRecord(
+                self.pass_name, RULE, "rejected", (), f"splitting {', '.join(tensors)} would raise the "
+                f"program's peak from {format_size(before)} to {format_size(after)}: the loops keep more alive "
+                "than they save, so nothing is split", kind="split"))
+
+    # --- by budget --------------------------------------------------------------------
+
+    def fit_budget(self, plan: int, split_size: int | None) -> MemoryEstimate:
+        """Splits and re-chunks until the static peak is at most `plan` bytes, or nothing
+        more helps; then grows chunks within it. Records the verdict; returns the estimate."""
+        estimate = estimate_memory(self.graph)
+        shrinkable = {loop.scope for loop in self.loops}
+        for _ in range(_MAX_BUDGET_STEPS):
+            if estimate.peak_bytes <= plan:
+                break
+            loop = self._loop_running(estimate.peak_node)
+            if loop is not None and loop.scope in shrinkable:
+                shrunk = self._shrink(loop, estimate, plan)
+                if shrunk is None:
+                    shrinkable.discard(loop.scope)
+                else:
+                    estimate = shrunk
+                continue
+            split = self._split_at_peak(estimate, plan, split_size)
+            if split is None:
+                break
+            estimate = split
+            shrinkable = {loop.scope for loop in self.loops}
+        if estimate.peak_bytes <= plan:
+            estimate = self._grow_chunks(estimate, plan)
+            self.records.append(RewriteRecord(self.pass_name, "MemoryBudget", "info", kind="budget", details={
+                "peak_bytes": estimate.peak_bytes, "plan_bytes": plan}))
+        else:
+            self.records.append(RewriteRecord(
+                self.pass_name, "MemoryBudget", "rejected", (estimate.peak_node or "",),
+                self._blocking_reason(estimate, plan), kind="budget",
+                details={"peak_bytes": estimate.peak_bytes, "plan_bytes": plan}))
+        return estimate
+
+    def _split_at_peak(self, estimate: MemoryEstimate, plan: int,
+                       split_size: int | None) -> MemoryEstimate | None:
+        """Splits the largest computed tensor at the peak whose loop lowers the peak."""
+        graph = self.graph
+        chunk_budget = max(1, min(split_size or plan, plan // _FIRST_CHUNK_SHARE))
+        over = estimate.peak_bytes - plan
+        for live in estimate.live_at_peak:
+            seed = TensorRef.parse(live.name)
+            if seed in self.given_up or graph.node(seed.node).op in GRAPH_INPUT_OPS:
+                continue
+            if live.nbytes * _WORTH_SPLITTING < min(over, chunk_budget):
+                break  # largest first: what is left is too small to matter (or to split)
+            self.given_up.add(seed)
+            region, reason = best_region(graph, seed, live.nbytes - 1, chunk_budget)
+            if region is None:
+                self._reject(seed, reason)
+                continue
+            chunk = chunk_length(graph, region, chunk_budget)
+            if chunk >= region.size:
+                chunk = -(-region.size // 2)  # a loop of one chunk saves nothing: at least two
+            checkpoint = self._checkpoint()
+            loop = self.emit(region, chunk, max_write_out=live.nbytes - 1)
+            after = estimate_memory(graph)
+            for _ in range(3):  # a loop that is now the peak may just need smaller chunks
+                running = self._loop_running(after.peak_node)
+                if after.peak_bytes < estimate.peak_bytes or running is None or running.scope != loop.scope:
+                    break
+                shrunk = self._shrink(loop, after, plan)
+                if shrunk is None:
+                    break
+                after, loop = shrunk, self._loop(loop.scope)
+            if after.peak_bytes < estimate.peak_bytes or (
+                    after.peak_bytes <= estimate.peak_bytes * _TOLERATED_RISE and seed.name not in
+                    {t.name for t in after.live_at_peak}):
+                return after
+            self._rollback(checkpoint)
+            self.given_up.add(seed)
+            self._reject(seed, f"splitting it does not lower the program's peak ({format_size(estimate.peak_bytes)}"
+                               f" → {format_size(after.peak_bytes)}): what its loop keeps alive costs as much")
+        return None
+
+    def _shrink(self, loop: Loop, estimate: MemoryEstimate, plan: int) -> MemoryEstimate | None:
+        """Re-chunks the loop at the peak so its body fits; None when that does not help."""
+        _, nested = estimate.at(estimate.peak_node)
+        over = estimate.peak_bytes - plan
+        if nested <= over or loop.chunk <= 1:
+            return None  # even the smallest chunks would not fit: what keeps the peak is outside the body
+        chunk = math.floor(loop.chunk * max(0.0, nested - over) / nested * _CHUNK_MARGIN)
+        chunk = max(1, min(chunk, loop.chunk // 2 if chunk >= loop.chunk else chunk))
+        if chunk >= loop.chunk:
+            return None
+        checkpoint = self._checkpoint()
+        after = self._try_rechunk(loop, chunk)
+        if after is None or after.peak_bytes >= estimate.peak_bytes - (estimate.peak_bytes - plan) * _SHRINK_GAIN:
+            self._rollback(checkpoint)
+            return None
+        return after
+
+    def _grow_chunks(self, estimate: MemoryEstimate, plan: int) -> MemoryEstimate:
+        """Fewer, larger chunks for every loop, as far as the budget allows."""
+        for scope in [loop.scope for loop in self.loops]:
+            loop = self._loop(scope)
+            node = self._while_node(loop)
+            if node is None or loop.chunk >= loop.region.size:
+                continue
+            live, nested = estimate.at(node)
+            if nested <= 0:
+                continue
+            chunk = min(loop.region.size, math.floor(loop.chunk * (plan - live) / nested * _CHUNK_MARGIN))
+            if chunk < loop.chunk * _WORTH_GROWING:
+                continue
+            checkpoint = self._checkpoint()
+            after = self._try_rechunk(loop, chunk)
+            if after is None or after.peak_bytes > plan:
+                self._rollback(checkpoint)
+                continue
+            estimate = after
+        return estimate
+
+    def _blocking_reason(self, estimate: MemoryEstimate, plan: int) -> str:
+        """Why the peak stays over the plan: the largest tensor there, its op and why it stays."""
+        over = f"the static peak {format_size(estimate.peak_bytes)} stays over the plan {format_size(plan)}"
+        loop = self._loop_running(estimate.peak_node)
+        if loop is not None:
+            return (f"{over}: at loop {loop.scope} ({loop.chunks} chunks of {loop.chunk}), whose body needs "
+                    f"{format_size(estimate.nested_peak_bytes)} even in the smallest chunks it can take")
+        why = {r.details.get("tensor"): r.reason for r in self.records if r.status == "rejected" and r.kind == "split"}
+        for live in estimate.live_at_peak:
+            node = self.graph.node(TensorRef.parse(live.name).node)
+            if node.op in GRAPH_INPUT_OPS:
+                continue
+            reason = why.get(live.name, "it is needed whole there")
+            return f"{over}: {live.name} ({node.op}, {format_size(live.nbytes)}) stays whole: {reason}"
+        inputs = sum(t.nbytes for t in estimate.live_at_peak)
+        return f"{over}: the program's inputs and constants alone take {format_size(inputs)}"
+
+    # --- loops ------------------------------------------------------------------------
+
+    def emit(self, region: Region, chunk: int, *, max_write_out: int) -> Loop:
+        """Replaces `region` by a loop in chunks of `chunk`; records it."""
+        graph = self.graph
+        scope = graph.unique_scope("tfmem_split")
+        # The region's nodes, and the constants it reads: the loop copies small ones into
+        # its body, and pruning then removes them.
+        constants = [f.ref.node for f in region.feeds(graph) if graph.node(f.ref.node).op == "Const"]
+        saved = tuple(_copy(graph.node(name)) for name in dict.fromkeys([*region.nodes, *constants]))
+        per_unit = region.per_unit_bytes(graph)
+        replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out, scope=scope)
+        for old, new in replaced.items():
+            graph.replace_all_uses(old, new)
+        graph.prune()
+        loop = Loop(scope, region, chunk, per_unit, saved, tuple(replaced.items()), len(self.records))
+        self.records.append(self._split_record(loop))
+        self.loops.append(loop)
+        return loop
+
+    def rechunk(self, loop: Loop, chunk: int) -> Loop:
+        """The same region as a loop in chunks of `chunk` (undo, then emit again)."""
+        graph = self.graph
+        self._retract(loop)
+        replaced = emit_loop(graph, loop.region, chunk, max_write_out=_max_write_out(graph, loop),
+                             scope=loop.scope)
+        for old, new in replaced.items():
+            graph.replace_all_uses(old, new)
+        graph.prune()
+        new = dataclasses.replace(loop, chunk=chunk, replaced=tuple(replaced.items()))
+        self.loops[self.loops.index(loop)] = new
+        self.records[loop.record] = self._split_record(new)
+        return new
+
+    def _try_rechunk(self, loop: Loop, chunk: int) -> MemoryEstimate | None:
+        """Re-chunks and estimates; None if the region could not be restored (roll back)."""
+        try:
+            self.rechunk(loop, chunk)
+        except GraphError:
+            return None
+        return estimate_memory(self.graph)
+
+    def _retract(self, loop: Loop) -> None:
+        """Puts the region's nodes back in place of the loop (reading, where a later loop
+        replaced what they read, that loop's tensors)."""
+        graph = self.graph
+        restored = [graph.add_node(node) for node in loop.saved if node.name not in graph]
+        for name in restored:
+            for position, ref in enumerate(graph.inputs(name)):
+                if ref.node not in graph:
+                    graph.set_input(name, position, self._resolve(ref))
+        for old, new in loop.replaced:
+            graph.replace_all_uses(new, old)
+        graph.prune()
+
+    def _resolve(self, ref: TensorRef) -> TensorRef:
+        """Where a tensor a later loop replaced lives now."""
+        replacements = {old: new for loop in self.loops for old, new in loop.replaced}
+        seen = set()
+        while ref.node not in self.graph:
+            if ref not in replacements or ref in seen:
+                raise GraphError(f"cannot restore a split region: {ref} is gone")
+            seen.add(ref)
+            ref = replacements[ref]
+        return ref
+
+    def _split_record(self, loop: Loop) -> RewriteRecord:
+        region = loop.region
+        return RewriteRecord(self.pass_name, RULE, "fired", (region.seed.node,), kind="split", details={
+            "tensor": region.seed.name, "dim": region.axes[region.seed], "size": region.size,
+            "chunks": loop.chunks, "chunk": loop.chunk, "chunk_bytes": loop.per_unit * loop.chunk,
+            "loop": loop.scope, "nodes": len(region.nodes),
+            "sinks": ",".join(sorted(set(region.sinks.values()))) or "-"})
+
+    def _loop(self, scope: str) -> Loop:
+        return next(loop for loop in self.loops if loop.scope == scope)
+
+    def _while_node(self, loop: Loop) -> str | None:
+        prefix = f"{loop.scope}/"
+        return next((n.name for n in self.graph.find(("While", "StatelessWhile")) if n.name.startswith(prefix)),
+                    None)
+
+    def _loop_running(self, node: str | None) -> Loop | None:
+        if node is None:
+            return None
+        return next((loop for loop in self.loops if node.startswith(f"{loop.scope}/")), None)
+
+    def _reject(self, seed: TensorRef, reason: str) -> None:
+        self.records.append(RewriteRecord(self.pass_name, RULE, "rejected", (seed.node,), reason,
+                                          {"tensor": seed.name, "bytes": self.graph.nbytes(seed)}, kind="split"))
+
+    def _checkpoint(self) -> tuple[Graph, list[Loop], list[RewriteRecord]]:
+        return self.graph.copy(), list(self.loops), list(self.records)
+
+    def _rollback(self, checkpoint: tuple[Graph, list[Loop], list[RewriteRecord]]) -> None:
+        graph, self.loops, self.records = checkpoint
+        self.graph.assign(graph)
+
+
+def _copy(node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
+    copy = node_def_pb2.NodeDef()
+    copy.CopyFrom(node)
+    return copy
+
+
+def _max_write_out(graph: Graph, loop: Loop) -> int:
+    """The write-out limit the loop was emitted with: the tensors it wrote out were within it."""
+    written = [old for old, _ in loop.replaced if old.node not in loop.region.sinks]
+    return max((graph.nbytes(ref) or 0 for ref in written), default=0)
+
+
+def _largest_computed(graph: Graph, threshold: int, skip: set[TensorRef]) -> TensorRef | None:
+    best, best_bytes = None, threshold
+    for node in graph.nodes:
+        if node.op in GRAPH_INPUT_OPS:
+            continue
+        for index in range(len(graph.output_specs(node.name))):
+            ref = TensorRef(node.name, index)
+            nbytes = graph.nbytes(ref) or 0
+            if nbytes > best_bytes and ref not in skip:
+                best, best_bytes = ref, nbytes
+    return best
+
+
+def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) -> tuple[Region | None, str]:
+    """The region around `seed` that leaves fewest tensors over `threshold` whole, or why none works."""
+    spec = graph.spec(seed)
+    reasons = []
+    best, best_score = None, None
+    for axis, length in sorted(enumerate(spec.shape.as_list()), key=lambda p: -p[1]):
+        if length <= 1:
+            continue
+        region = grow_region(graph, seed, axis, large=split_size)
+        if isinstance(region, str):
+            reasons.append(f"axis {axis}: {region}")
+            continue
+        if seed.node not in region.nodes or seed not in region.axes:
+            reasons.append(f"axis {axis}: the seed could not stay in its region")
+            continue
+        if region.per_unit_bytes(graph) > split_size:
+            reasons.append(f"axis {axis}: a single slice is {region.per_unit_bytes(graph)} bytes, over the "
+                           f"split size {split_size} (splitting two axes at once is not supported)")
+            continue
+        oversized_out = [r for r in region.write_outs(graph) if (graph.nbytes(r) or 0) > threshold]
+        if seed in oversized_out:
+            why = region.boundaries.get(seed, "a reader needs it whole")
+            reasons.append(f"axis {axis}: {why}")
+            continue
+        write_outs = region.write_outs(graph)
+        written = sum(graph.nbytes(r) or 0 for r in write_outs if r not in oversized_out)
+        avoided = sum(graph.nbytes(r) or 0 for r in region.axes if r.node in region.nodes
+                      and r.node not in region.sinks and r not in write_outs)
+        if written >= avoided:
+            reasons.append(f"axis {axis}: its loop would write {format_size(written)} back out whole, "
+                           f"and avoid only {format_size(avoided)}")
+            continue
+        eliminated = sum(1 for r in region.axes if r.node in region.nodes and r not in oversized_out
+                         and (graph.nbytes(r) or 0) > threshold)
+        # Merging candidates (top-k, arg-max) costs a sort per chunk; sums are nearly free.
+        merges = sum(1 for kind in region.sinks.values() if kind in ("topk", "argmax", "argmin"))
+        score = (-len(oversized_out), eliminated, -merges, -len(region.nodes))
+        if best_score is None or score > best_score:
+            best, best_score = region, score
+    if best is None:
+        return None, "; ".join(reasons) or "no axis longer than 1"
+    return best, ""
+
+
+def chunk_length(graph: Graph, region: Region, split_size: int) -> int:
+    """The chunk length that keeps the region's largest tensor within `split_size`."""
+    per_unit = max(region.per_unit_bytes(graph), 1)
+    return int(min(region.size, max(1, split_size // per_unit)))

@@ -1,0 +1,117 @@
+"""The corpus acceptance test: `memory_budget` alone makes real programs fit, with the same answers.
+
+For each CI program of `benchmarks/corpus/programs.py`, one fresh process under a BFC
+limit equal to the program's budget (`benchmarks.corpus.trial:tfmem_trial`) runs:
+  - XLA's buffer assignment for stock `tf.function(jit_compile=True)` at `big` (compiled only);
+  - tfmem with `Config(memory_budget=<budget>)` and nothing else at the `big` size;
+  - stock and tfmem at the `small` size, under the budget and under a tight budget (half
+    the unchanged program's static estimate) that forces the split code paths.
+The four tests per program read that process's record (if the process dies, the steps
+run again in two processes, so that the crash is pinned on the step that crashed).
+
+The processes of all selected programs start together, `CORPUS_JOBS` (default 2)
+at a time; each has its own allocator limit. A process stopped by the hang guard
+(`CORPUS_TIMEOUT` seconds, default 1800) fails its tests as a *timeout*, never as
+tfmem running out of memory or answering wrongly.
+
+CI time: the whole file, `python -m pytest -q tests/benchmarks/test_corpus.py`, is measured
+in benchmarks/corpus/README.md.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks.corpus.programs import CI_PROGRAMS, PROGRAMS
+from benchmarks.corpus.run import failure_reason, start_trials, tfmem_step
+from benchmarks.corpus.trial import compare
+from tfmem.config import format_size
+
+_TIMEOUT = float(os.environ.get("CORPUS_TIMEOUT", "1800"))
+_JOBS = int(os.environ.get("CORPUS_JOBS", "2"))
+Trials = dict[str, concurrent.futures.Future[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def trials(request: pytest.FixtureRequest) -> Trials:
+    """Every selected program's trial process, started at once, `CORPUS_JOBS` (2) at a time."""
+    selected = set()
+    for item in request.session.items:  # only the programs whose tests were selected (-k)
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is request.module and callspec is not None and "name" in callspec.params:
+            selected.add(callspec.params["name"])
+    names = [name for name in CI_PROGRAMS if name in selected]
+    futures = start_trials([(name, "tfmem", "budget") for name in names], timeout=_TIMEOUT, jobs=_JOBS)
+    return dict(zip(names, futures))
+
+
+def _step(trials: Trials, name: str, step: str) -> dict[str, Any]:
+    """One step of the program's trial record (waiting for its process if it still runs)."""
+    trial = trials[name].result()
+    if trial["process_status"] == "timeout":
+        pytest.fail(f"timeout (not a tfmem failure): the trial process of {name} was stopped after "
+                    f"{_TIMEOUT:.0f} s; raise CORPUS_TIMEOUT on a slow machine")
+    return tfmem_step(trial, step)
+
+
+def test_ci_corpus_is_large_enough() -> None:
+    assert len(set(CI_PROGRAMS)) == len(CI_PROGRAMS) >= 25
+    assert set(CI_PROGRAMS) <= set(PROGRAMS) and len(PROGRAMS) >= 30
+
+
+def test_compare_catches_wrong_values_indices_and_shapes() -> None:
+    program = PROGRAMS["knn_cosine"]  # rtol 1e-4, index mismatch up to 2e-3
+    want = [np.array([[1.0, 2.0]]), np.arange(1000)]
+    assert compare([want[0] * (1 + 5e-5), want[1]], want, program)["equal"]
+    assert not compare([want[0] * (1 + 5e-4), want[1]], want, program)["equal"]
+    shifted = want[1].copy()
+    shifted[:3] += 1
+    assert not compare([want[0], shifted], want, program)["equal"]  # 3e-3 of the indices differ
+    assert not compare([want[0][:, :1], want[1]], want, program)["equal"]
+    assert not compare([None, want[1]], want, program)["equal"]
+
+
+@pytest.mark.parametrize("name", CI_PROGRAMS)
+def test_stock_xla_does_not_fit_big(trials: Trials, name: str) -> None:
+    program = PROGRAMS[name]
+    planned = _step(trials, name, "stock_planned")
+    assert planned["status"] == "ok", planned.get("error")
+    assert planned["planned_bytes"] > program.budget_bytes, (
+        f"stock XLA plans {format_size(planned['planned_bytes'])} at {program.big}, within the "
+        f"{program.budget} budget: the program does not test tfmem")
+
+
+@pytest.mark.parametrize("name", CI_PROGRAMS)
+def test_tfmem_budget_only_runs_big(trials: Trials, name: str) -> None:
+    program = PROGRAMS[name]
+    big = _step(trials, name, "big")
+    reason = failure_reason(big, blank=False)
+    assert reason is None, f"{name} at {program.big} under {program.budget}: {reason}\n{big.get('unsplit', '')}"
+    assert big["peak_bytes"] <= program.budget_bytes
+
+
+@pytest.mark.parametrize("name", CI_PROGRAMS)
+def test_tfmem_budget_only_equals_stock_small(trials: Trials, name: str) -> None:
+    _assert_equal(trials, name, "budget")
+
+
+@pytest.mark.parametrize("name", CI_PROGRAMS)
+def test_tfmem_tight_budget_splits_and_equals_stock_small(trials: Trials, name: str) -> None:
+    tight = _assert_equal(trials, name, "tight")
+    assert tight["splits"] >= 1, f"no split under a tight budget: the comparison is vacuous ({tight['unsplit']})"
+
+
+def _assert_equal(trials: Trials, name: str, key: str) -> dict[str, Any]:
+    program = PROGRAMS[name]
+    equality = _step(trials, name, "equality")
+    assert equality["stock"]["status"] == "ok", f"stock does not run at the small size: {equality['stock']}"
+    record = equality[key]
+    reason = failure_reason(record, compared=True, blank=False)
+    assert reason is None, (f"{name} at {program.small} (budget {format_size(record['budget_bytes'])}): {reason}; "
+                            f"max rel err {record.get('max_rel_err')} (rtol {program.rtol}) at "
+                            f"{record.get('detail')}, index mismatch {record.get('index_mismatch')}")
+    return record

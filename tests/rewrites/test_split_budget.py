@@ -1,0 +1,107 @@
+"""The budget planner: `memory_budget` alone splits, sizes chunks to fit, and says when it cannot."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmem
+from rewrites.split.planner import Planner
+from tfmem.budget import PLANNING_FRACTION
+from tfmem.memory import estimate_memory
+
+N = 1500  # [N, N] float64: 17.2 MiB
+
+
+def kernel_times(x, v):
+    """K(X, X) @ V in GPflow's expanded form: X is read sliced and whole."""
+    sq = tf.reduce_sum(tf.square(x), -1)
+    dist = sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True)
+    return tf.exp(-0.5 * dist) @ v
+
+
+@pytest.fixture
+def kernel_inputs(rng: np.random.Generator) -> tuple[tf.Tensor, tf.Tensor]:
+    return tf.constant(rng.normal(size=(N, 3))), tf.constant(rng.normal(size=(N, 8)))
+
+
+def test_budget_alone_splits_until_the_estimate_fits(kernel_inputs) -> None:
+    budget = 8 * 2**20
+    wrapped = tfmem.TfmemFunction(kernel_times, config={"memory_budget": budget, "strict": True}, lint=True)
+    report = wrapped.report(*kernel_inputs)
+    assert report.fits and report.memory_after.peak_bytes <= budget * PLANNING_FRACTION, str(report)
+    assert report.memory_before.peak_bytes > budget and report.splits
+    assert report.summary().startswith("fits 8.0 MiB: estimated peak")
+    np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
+def test_a_larger_budget_takes_fewer_larger_chunks(kernel_inputs) -> None:
+    chunks = {}
+    for budget in ("6MiB", "12MiB", "24MiB"):
+        report = tfmem.TfmemFunction(kernel_times, config={"memory_budget": budget}).report(*kernel_inputs)
+        assert report.fits, str(report)
+        chunks[budget] = sum(r.details["chunks"] for r in report.splits)
+    assert chunks["6MiB"] > chunks["12MiB"] > chunks["24MiB"] >= 2, chunks
+    # A budget the program fits whole: nothing is split (every trip costs time).
+    roomy = tfmem.TfmemFunction(kernel_times, config={"memory_budget": "1GiB"}).report(*kernel_inputs)
+    assert roomy.fits and not roomy.splits and roomy.summary().startswith("fits 1.0 GiB")
+
+
+def test_a_loop_at_the_peak_is_shrunk_until_it_fits(kernel_inputs) -> None:
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    graph = traced.graph.copy()
+    planner = Planner("split", graph)
+    planner.split_all(threshold=N * N * 8 // 2, split_size=N * N * 8 // 2)  # two chunks: bodies of 8 MiB
+    (loop,) = planner.loops
+    assert loop.chunks == 2
+    plan = 6 * 2**20
+    estimate = planner.fit_budget(plan, None)
+    assert estimate.peak_bytes <= plan and estimate_memory(graph).peak_bytes == estimate.peak_bytes
+    (shrunk,) = planner.loops
+    assert shrunk.chunks > 2
+    (record,) = [r for r in planner.records if r.kind == "split"]
+    assert record.details["chunks"] == shrunk.chunks  # the record follows the re-chunking
+
+
+def test_a_budget_that_cannot_be_met_is_loud_and_names_what_blocks_it(rng: np.random.Generator) -> None:
+    x = tf.constant(rng.normal(size=(1000, 1000)))  # 7.6 MiB input: over the whole budget
+
+    def solve(x):
+        return tf.linalg.cholesky(x @ tf.transpose(x) + 1000.0 * tf.eye(1000, dtype=x.dtype))
+
+    wrapped = tfmem.function(solve, config={"memory_budget": "4MiB"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(wrapped(x).numpy(), solve(x).numpy(), rtol=1e-10)  # still runs
+    report = wrapped.report(x)
+    assert report.fits is False and report.summary().startswith("does NOT fit 4.0 MiB")
+    (missed,) = [r for r in report.rejected if r.kind == "budget"]
+    assert "stays over the plan" in missed.reason and "MiB" in missed.reason
+    shown = [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
+    assert len(shown) == 1 and "may not fit its memory budget" in shown[0], shown
+    strict = tfmem.function(solve, config={"memory_budget": "4MiB", "strict": True})
+    with pytest.raises(tfmem.TfmemError, match="may not fit its memory budget"):
+        strict(x)
+
+
+def test_without_a_budget_or_threshold_nothing_is_split(kernel_inputs) -> None:
+    report = tfmem.TfmemFunction(kernel_times).report(*kernel_inputs)
+    assert report.budget is None and not report.splits
+    assert report.summary().startswith("no budget:") and "nothing split" in report.summary()
+
+
+def test_zero_config_under_a_real_allocator_limit_fits_where_stock_xla_does_not() -> None:
+    # No tfmem config at all: the budget comes from TF_CPU_BFC_MEM_LIMIT_IN_MB (160 MiB). GPflow
+    # SGPR loss and gradients at N=20,000, M=400: stock XLA plans ~430 MiB.
+    from benchmarks.budget_checks import sgpr_step
+
+    step, _ = sgpr_step(20_000, 400)
+    assert tfmem.xla_planned_bytes(tf.function(step, jit_compile=True)) > 160 * 2**20
+    result = tfmem.run_isolated("benchmarks.budget_checks:run", "sgpr", (20_000, 400), "tfmem", None,
+                                memory_limit_mb=160, timeout=None)
+    assert result.ok, result.error
+    assert result.value["summary"].startswith("fits "), result.value["summary"]
+    assert "TF_CPU_BFC_MEM_LIMIT_IN_MB=160" in result.value["budget"], result.value["budget"]
+    assert result.peak_bytes <= 160 * 2**20

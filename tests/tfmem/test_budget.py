@@ -1,0 +1,119 @@
+"""Where the memory budget comes from: the config, the GPU, the CPU allocator's limit, or nowhere."""
+from __future__ import annotations
+
+import pytest
+
+from tfmem import budget as budget_module
+from tfmem.budget import (CPU_SAFETY_FRACTION, GPU_SAFETY_FRACTION, PLANNING_FRACTION, Budget, device_budget,
+                          resolve_budget)
+from tfmem.config import Config
+
+BFC_1GIB = {"TF_CPU_ALLOCATOR_USE_BFC": "1", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024"}
+
+
+@pytest.fixture(autouse=True)
+def nothing_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    # These tests are about the arithmetic: the allocators hold nothing yet.
+    monkeypatch.setattr(budget_module, "_memory_info", lambda device: (0, 0))
+
+
+def no_gpus() -> dict[str, int]:
+    return {}
+
+
+def two_gpus() -> dict[str, int]:
+    return {"GPU:0": 80 * 2**30, "GPU:1": 16 * 2**30}
+
+
+def test_config_budget_wins_over_the_device() -> None:
+    budget = resolve_budget(Config(memory_budget="2GiB"), environ=BFC_1GIB, gpu_limits=two_gpus)
+    assert budget == Budget(2 * 2**30, "config")
+
+
+def test_a_threshold_without_a_budget_means_no_budget() -> None:
+    # The expert override: split by threshold only, as before budgets existed.
+    assert resolve_budget(Config(tensor_size_threshold="64MB"), environ=BFC_1GIB, gpu_limits=two_gpus) is None
+
+
+def test_no_split_stage_means_no_budget() -> None:
+    assert resolve_budget(Config(passes=["cleanup"]), environ=BFC_1GIB, gpu_limits=two_gpus) is None
+
+
+CPU_1GIB = int(2**30 * CPU_SAFETY_FRACTION)
+
+
+def test_cpu_budget_is_a_share_of_the_bfc_limit_in_mib() -> None:
+    budget = resolve_budget(Config(), "CPU:0", environ=BFC_1GIB, gpu_limits=no_gpus)
+    assert budget == Budget(CPU_1GIB, "90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=1024")
+    assert budget.plan_bytes == int(CPU_1GIB * PLANNING_FRACTION)
+
+
+@pytest.mark.parametrize("environ", [
+    {},  # the default allocator: no limit to work to
+    {"TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024"},  # a limit without the BFC allocator is not applied by TF
+    {"TF_CPU_ALLOCATOR_USE_BFC": "0", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024"},
+    {"TF_CPU_ALLOCATOR_USE_BFC": "1"},  # BFC without a limit
+    {"TF_CPU_ALLOCATOR_USE_BFC": "1", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "lots"},
+])
+def test_cpu_without_an_enforced_limit_has_no_budget(environ: dict[str, str]) -> None:
+    assert device_budget("CPU:0", environ=environ, gpu_limits=no_gpus) is None
+
+
+def test_gpu_budget_is_a_safety_fraction_of_its_allocator_limit() -> None:
+    budget = device_budget("/job:localhost/replica:0/task:0/device:GPU:1", environ={}, gpu_limits=two_gpus)
+    assert budget is not None and budget.nbytes == int(16 * 2**30 * GPU_SAFETY_FRACTION)
+    assert "GPU:1" in budget.source
+
+
+def test_default_device_is_the_first_gpu_if_any_else_the_cpu() -> None:
+    on_gpu = device_budget(None, environ=BFC_1GIB, gpu_limits=two_gpus)
+    assert on_gpu is not None and on_gpu.nbytes == int(80 * 2**30 * GPU_SAFETY_FRACTION)
+    assert device_budget(None, environ=BFC_1GIB, gpu_limits=no_gpus).nbytes == CPU_1GIB
+
+
+def test_unknown_gpu_has_no_budget() -> None:
+    assert device_budget("GPU:7", environ={}, gpu_limits=two_gpus) is None
+
+
+def test_xla_plan_fits_when_it_fits_whole_and_its_block_finds_room() -> None:
+    budget = Budget(1000, "config")  # XLA may plan 950
+    assert budget.xla_overshoot(total_bytes=950, largest_bytes=950) == 1
+    assert budget.xla_overshoot(total_bytes=1900, largest_bytes=1900) == 2
+    # The block needs room beside regions of twice the plan's other buffers ...
+    assert budget.xla_overshoot(total_bytes=900, largest_bytes=800) == pytest.approx(800 / 750)
+    # ... or of twice what the allocator held before (SVGP's refused block, in MiB):
+    svgp = Budget(192 * 2**20, "config")
+    assert svgp.xla_overshoot(177 * 2**20, 166 * 2**20, held_peak=25 * 2**20) > 1.2
+    # A block that fits in the largest region an earlier, larger program grew fits.
+    assert budget.xla_overshoot(total_bytes=600, largest_bytes=500, held_peak=900) == pytest.approx(600 / 950)
+
+
+def test_budget_prints_its_size_and_source() -> None:
+    assert str(Budget(2**30, "config")) == "1.0 GiB (config)"
+
+
+def test_what_the_allocator_already_holds_is_not_on_offer() -> None:
+    mib = 2**20
+    budget = device_budget("CPU:0", environ=BFC_1GIB, gpu_limits=no_gpus, in_use=lambda d: (100 * mib, 100 * mib))
+    assert budget is not None and budget.nbytes == int(924 * mib * CPU_SAFETY_FRACTION)
+    assert budget.source == "90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=1024, less 100.0 MiB in use"
+
+
+def test_on_cpu_a_later_program_fits_where_earlier_ones_grew_the_allocator() -> None:
+    # TF's CPU allocator keeps the regions it grew: after a program that peaked at 700 MiB,
+    # the next one's block must fit in those (700 MiB) or in the 324 MiB left to grow.
+    mib = 2**20
+    budget = device_budget("CPU:0", environ=BFC_1GIB, gpu_limits=no_gpus, in_use=lambda d: (10 * mib, 700 * mib))
+    assert budget is not None and budget.nbytes == int(700 * mib * CPU_SAFETY_FRACTION)
+    assert "one block may take 700.0 MiB (peak so far 700.0 MiB)" in budget.source
+    # A GPU's allocator gives free regions back: only what is in use is not on offer.
+    gpu = device_budget("GPU:0", environ={}, gpu_limits=lambda: {"GPU:0": 1000 * mib},
+                        in_use=lambda d: (10 * mib, 700 * mib))
+    assert gpu is not None and gpu.nbytes == int(1000 * mib * GPU_SAFETY_FRACTION) - 10 * mib
+
+
+def test_replicas_sharing_an_allocator_share_its_budget() -> None:
+    budget = resolve_budget(Config(), "/device:CPU:1", sharing=2, environ=BFC_1GIB, gpu_limits=no_gpus)
+    assert budget is not None and budget.nbytes == CPU_1GIB // 2 and "shared by 2 replicas" in budget.source
+    # A configured budget is per replica already.
+    assert resolve_budget(Config(memory_budget="1GiB"), "CPU:1", sharing=2).nbytes == 2**30

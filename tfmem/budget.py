@@ -1,0 +1,214 @@
+"""The memory budget: the one number tfmem works to, from the config or from the device.
+
+A budget is a promise about the *real* peak: a program tfmem reports as fitting runs
+within it. It comes from, in order:
+
+1. `Config.memory_budget`, when set;
+2. nothing, when `tensor_size_threshold` is set (the expert mode: split by threshold only);
+3. the device the function runs on, when the split stage is on:
+   - a GPU: the memory TensorFlow's allocator may use on it (its logical device's
+     `memory_limit`, as `device_lib` reports it) times `GPU_SAFETY_FRACTION`, which leaves
+     room for what runs outside that allocator's accounting (cuBLAS/cuDNN workspaces,
+     XLA's autotuning scratch);
+   - the CPU: `TF_CPU_BFC_MEM_LIMIT_IN_MB` when `TF_CPU_ALLOCATOR_USE_BFC` is on (the
+     allocator then refuses anything beyond it, so that limit *is* the budget);
+   - otherwise no budget: nothing is split, as before budgets existed;
+   in both cases less what the allocator already holds when the function is rewritten
+   (the process's other tensors stay alive beside it), shared between the replicas of a
+   `tf.distribute` strategy that use the same allocator.
+
+Example:
+    >>> resolve_budget(Config(memory_budget="1GiB"))
+    Budget(nbytes=1073741824, source='config')
+    >>> device_budget("CPU:0", environ={"TF_CPU_ALLOCATOR_USE_BFC": "1", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024"},
+    ...               in_use=lambda device: (0, 0))
+    Budget(nbytes=966367641, source='90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=1024')
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tfmem.config import Config, format_size
+
+# Share of a GPU's allocator limit that tfmem plans for (see the module docstring).
+GPU_SAFETY_FRACTION = 0.9
+# Share of the CPU allocator's room a device-derived budget offers one program (see
+# `device_budget` for what the room is: the allocator never gives memory back).
+CPU_SAFETY_FRACTION = 0.9
+# Share of any budget the static estimate may fill. The estimate counts live tensors; the
+# real peak adds what it cannot see: allocator fragmentation and rounding, XLA's own
+# scratch, small runtime buffers. Calibrated on the corpus (benchmarks/corpus).
+PLANNING_FRACTION = 0.9
+# Share of a budget XLA's own plan for the compiled program may take ("Total bytes used":
+# its one block of temporaries, constants, parameters and outputs). The rest is for what
+# the runtime holds beside it: the allocator's rounding, inputs TensorFlow keeps.
+XLA_FRACTION = 0.95
+# XLA asks for a program's temporaries as one block. A growing allocator (TensorFlow's
+# BFC with growth, as on the CPU) never hands a region back and grows regions by doubling,
+# so after allocations that peaked at P it holds regions of up to REGION_SLACK × P, the
+# largest about P: the block must fit in that largest region or in what is left to grow.
+# Seen on the corpus: SVGP planned 177 MiB of the 182 allowed, and its 166 MiB block was
+# refused under 192 MiB after 24 MiB of data had grown the regions; accounting for them,
+# it is split further and runs.
+REGION_SLACK = 2.0
+
+_DEVICE_RE = re.compile(r"(?:device:)?(?P<kind>CPU|GPU|TPU):(?P<index>\d+)$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A memory budget in bytes, and where it came from (for reports)."""
+
+    nbytes: int
+    source: str
+
+    @property
+    def plan_bytes(self) -> int:
+        """What the static estimate may reach for the program to count as fitting."""
+        return int(self.nbytes * PLANNING_FRACTION)
+
+    @property
+    def xla_bytes(self) -> int:
+        """What XLA's planned allocation may reach for the program to count as fitting."""
+        return int(self.nbytes * XLA_FRACTION)
+
+    def xla_overshoot(self, total_bytes: int, largest_bytes: int, held_peak: int = 0) -> float:
+        """How far XLA's plan is over this budget: ≤ 1 fits, 1.3 means 30% over.
+
+        The plan must fit whole, and its largest block (the temporaries) must find room
+        in one piece: in the largest region the allocator grew for earlier allocations that
+        peaked at `held_peak` (about `held_peak`), or in what is left to grow once regions
+        of `REGION_SLACK` times those allocations (or the plan's other buffers) are held.
+
+        Example:
+            >>> budget = Budget(1000, "config")                   # XLA may plan 950
+            >>> budget.xla_overshoot(total_bytes=900, largest_bytes=800)  # room: 950 - 2 × 100
+            1.066...
+            >>> budget.xla_overshoot(total_bytes=900, largest_bytes=800, held_peak=300)  # room: 350
+            2.285...
+        """
+        room = max(held_peak, self.xla_bytes - REGION_SLACK * max(held_peak, total_bytes - largest_bytes))
+        return max(total_bytes / self.xla_bytes, largest_bytes / max(room, 1))
+
+    def __str__(self) -> str:
+        return f"{format_size(self.nbytes)} ({self.source})"
+
+
+def resolve_budget(config: Config, device: str | None = None, *, sharing: int = 1,
+                   environ: Mapping[str, str] | None = None,
+                   gpu_limits: Callable[[], Mapping[str, int]] | None = None,
+                   in_use: Callable[[str], tuple[int, int]] | None = None) -> Budget | None:
+    """The budget a function rewritten under `config` on `device` works to, or None.
+
+    `sharing`: how many replicas (of a `tf.distribute` strategy) share the device's
+    allocator; the config's budget is per replica already.
+    """
+    if config.memory_budget is not None:
+        return Budget(config.memory_budget, "config")
+    if config.tensor_size_threshold is not None or "split" not in config.passes:
+        return None
+    return device_budget(device, sharing=sharing, environ=environ, gpu_limits=gpu_limits, in_use=in_use)
+
+
+def device_budget(device: str | None = None, *, sharing: int = 1, environ: Mapping[str, str] | None = None,
+                  gpu_limits: Callable[[], Mapping[str, int]] | None = None,
+                  in_use: Callable[[str], tuple[int, int]] | None = None) -> Budget | None:
+    """The budget the device offers: see the module docstring.
+
+    What the device's allocator already holds (other programs' tensors, variables, data)
+    is not on offer: the budget is the limit less that, split evenly between `sharing`
+    replicas.
+
+    Args:
+        device: e.g. "GPU:0", "/job:localhost/replica:0/task:0/device:CPU:0"; None = the
+            first GPU if there is one, else the CPU.
+        sharing: replicas that share this device's allocator (logical CPUs share one).
+        environ: the environment (default `os.environ`).
+        gpu_limits: returns GPU name ("GPU:0") → allocator limit in bytes (default: asks
+            TensorFlow); tests pass a stub.
+        in_use: device name ("CPU:0") → (bytes its allocator holds now, its peak so
+            far) (default: asks TensorFlow); tests pass a stub.
+    """
+    environ = os.environ if environ is None else environ
+    limits = _gpu_limits if gpu_limits is None else gpu_limits
+    kind, index = _parse_device(device)
+    if kind is None:
+        gpus = limits()
+        kind, index = ("GPU", min(_parse_device(name)[1] for name in gpus)) if gpus else ("CPU", 0)
+    if kind == "GPU":
+        limit = limits().get(f"GPU:{index}")
+        if not limit:
+            return None
+        total, source = int(limit * GPU_SAFETY_FRACTION), f"{GPU_SAFETY_FRACTION:.0%} of GPU:{index}'s {format_size(limit)}"
+    elif kind == "CPU" and environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true"):
+        text = environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "").strip()
+        if not text.isdigit() or int(text) <= 0:
+            return None
+        total, source = int(text) * 2**20, f"TF_CPU_BFC_MEM_LIMIT_IN_MB={text}"  # TF reads MiB
+    else:
+        return None
+    held, peak = (_memory_info if in_use is None else in_use)(f"{kind}:{index}")
+    free = max(0, total - held)
+    if held:
+        source += f", less {format_size(held)} in use"
+    if kind == "CPU":
+        # TensorFlow's CPU BFC allocator grows in regions (doubling: 2, 4, 8 MiB, ...) and,
+        # unlike the GPU's, never gives one back; XLA asks for a program's temporaries as
+        # one block. A block must fit in the regions earlier programs grew (at least their
+        # peak) or in what is left to grow (the limit less that): the larger of the two.
+        room = min(free, max(peak, total - peak))
+        if room < free:
+            source += f", of which one block may take {format_size(room)} (peak so far {format_size(peak)})"
+        free, source = int(room * CPU_SAFETY_FRACTION), f"{CPU_SAFETY_FRACTION:.0%} of {source}"
+    if sharing > 1:
+        source += f", shared by {sharing} replicas"
+    return Budget(free // max(1, sharing), source)
+
+
+def allocator_peak(device: str | None = None) -> int:
+    """The peak so far of the allocator a program on `device` uses (0 where unknown).
+
+    `device`: as for `device_budget`; None = the first GPU if there is one, else the CPU.
+    """
+    kind, index = _parse_device(device)
+    if kind is None:
+        gpus = _gpu_limits()
+        kind, index = ("GPU", min(_parse_device(name)[1] for name in gpus)) if gpus else ("CPU", 0)
+    return _memory_info(f"{kind}:{index}")[1]
+
+
+def _memory_info(device: str) -> tuple[int, int]:
+    """Bytes the device's allocator holds now, and its peak so far ((0, 0) where unknown)."""
+    import tensorflow as tf
+
+    try:
+        info = tf.config.experimental.get_memory_info(device)
+    except (ValueError, tf.errors.OpError):
+        return 0, 0
+    return int(info["current"]), int(info["peak"])
+
+
+def _parse_device(device: str | None) -> tuple[str | None, int]:
+    if not device:
+        return None, 0
+    match = _DEVICE_RE.search(device.strip())
+    if match is None:
+        return None, 0
+    return match.group("kind").upper(), int(match.group("index"))
+
+
+def _gpu_limits() -> dict[str, int]:
+    """Allocator limit of each visible GPU, from TensorFlow's local device list."""
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        return {}  # without GPUs, skip device_lib: it would initialise every device
+    from tensorflow.python.client import device_lib
+
+    devices: Sequence[Any] = device_lib.list_local_devices()
+    return {f"GPU:{d.name.rsplit(':', 1)[1]}": int(d.memory_limit) for d in devices
+            if d.device_type == "GPU"}

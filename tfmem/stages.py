@@ -1,0 +1,236 @@
+"""The stages of one signature, each a value you can hold and inspect (as JAX's are).
+
+    Traced      the user's function traced for these arguments and taken apart
+      │ .rewrite(config)
+    Rewritten   the graph after the pass pipeline, its records and memory estimate
+      │ .compile()
+    Compiled    the rewritten graph imported into a `tf.function` (XLA by default)
+
+`tfmem.function(f)(*args)` is the composition of the three, cached per signature,
+with a fallback to the original where a stage fails. Each stage raises instead:
+
+Example:
+    >>> wrapped = tfmem.function(f, config={"memory_budget": "1GiB"})
+    >>> traced = wrapped.trace(x)                 # Traced: .graph, .captured, .memory
+    >>> rewritten = traced.rewrite()              # Rewritten: .graph, .records, .memory
+    >>> print(rewritten.report.summary())         # fits 1.0 GiB: estimated peak ...
+    >>> compiled = rewritten.compile()
+    >>> compiled(x), compiled.xla_planned_bytes(x)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tfmem.budget import Budget, allocator_peak, resolve_budget
+from tfmem.capture import CapturedFunction, import_as_function
+from tfmem.config import Config
+from tfmem.graph import Graph
+from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
+from tfmem.passes import GraphPass, PassManager, RewriteRecord, default_pipeline
+from tfmem.report import Report, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A traced signature, taken apart for rewriting.
+
+    Attributes:
+        function_name: the user's function.
+        signature: its input signature, as text.
+        captured: the ConcreteFunction taken apart (arguments, captures, outputs, effects).
+        seconds: how long tracing and capturing took.
+    """
+
+    function_name: str
+    signature: str
+    captured: CapturedFunction
+    seconds: float = 0.0
+
+    @functools.cached_property
+    def graph(self) -> Graph:
+        """The traced graph (a fresh view: passes work on their own copy)."""
+        return self.captured.to_graph()
+
+    @functools.cached_property
+    def memory(self) -> MemoryEstimate:
+        """The static peak estimate of the traced graph."""
+        return estimate_memory(self.graph)
+
+    def rewrite(self, config: Config | None = None, *, passes: Sequence[GraphPass] | None = None,
+                lint: bool = False, device: str | None = None, budget: Budget | None = None) -> Rewritten:
+        """Runs the pass pipeline under `config` (default: `Config()`) for `device`.
+
+        Args:
+            passes: the passes to run; None = the registered pipeline for `config`.
+            lint: check the graph after every pass (tests turn this on).
+            device: where the function will run, for a budget from the device.
+            budget: the budget, when the caller resolved it (a replica's share of its
+                device), or when `config.memory_budget` is a tighter plan for it
+                (`compile_within_budget` plans again when XLA needs more).
+
+        Raises:
+            PassError: naming the pass that failed.
+        """
+        config = config or Config()
+        start = time.perf_counter()
+        if budget is None:
+            budget = resolve_budget(config, device)
+        if budget is not None and config.memory_budget is None:  # from the device: the passes plan to it
+            config = dataclasses.replace(config, memory_budget=budget.nbytes)
+        passes = list(passes) if passes is not None else default_pipeline(config)
+        result = PassManager(passes, lint=lint).run(self.graph, config)
+        memory = estimate_memory(result.graph)
+        return Rewritten(traced=self, config=config, budget=budget, graph=result.graph,
+                         records=tuple(result.records), pass_seconds=dict(result.seconds),
+                         memory=memory, seconds=time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    """A signature after the pass pipeline.
+
+    Attributes:
+        traced: the stage it came from.
+        config: the config the passes ran under (its `memory_budget` is the budget used).
+        budget: the budget and where it came from (None: no budget).
+        graph: the rewritten graph.
+        records: what every pass did or declined to do, with reasons.
+        pass_seconds: time in each pass.
+        memory: the static peak estimate of the rewritten graph.
+        seconds: how long rewriting took.
+    """
+
+    traced: Traced
+    config: Config
+    budget: Budget | None
+    graph: Graph
+    records: tuple[RewriteRecord, ...]
+    pass_seconds: Mapping[str, float]
+    memory: MemoryEstimate
+    seconds: float
+
+    @property
+    def modified(self) -> bool:
+        return any(r.status == "fired" for r in self.records)
+
+    @property
+    def report(self) -> Report:
+        """The report of this stage (no XLA bytes: `Compiled.report` adds nothing either;
+        `TfmemFunction.explain` compiles both programs to add them)."""
+        return make_report(self, status="rewritten" if self.modified else "unchanged")
+
+    def compile(self, *, input_signature: Any = None, name: str = "tfmem") -> Compiled:
+        """Imports the rewritten graph into a `tf.function` (with XLA when the config says so).
+
+        Tracing happens on the first call: errors XLA raises for a graph it cannot take
+        surface there.
+        """
+        start = time.perf_counter()
+        function = import_as_function(self.traced.captured, self.graph, jit_compile=self.config.jit_compile,
+                                      input_signature=input_signature, name=name)
+        return Compiled(self, function, time.perf_counter() - start)
+
+    def for_trace(self, traced: Traced) -> Rewritten:
+        """This rewrite, for another trace of the same program (a replica's: same graph,
+        its own captured variables); `compile` then imports it with that trace's."""
+        return dataclasses.replace(self, traced=traced)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """The rewritten graph as a callable `tf.function` with the user's signature.
+
+    Attributes:
+        xla_bytes: XLA's planned bytes for it, when `compile_within_budget` asked.
+        xla_largest_bytes: the largest single allocation of that plan.
+        xla_overshoot: `Budget.xla_overshoot` of that plan (≤ 1: it fits), given what the
+            allocator held before.
+        check_seconds: how long asking XLA took (it compiles the program).
+    """
+
+    rewritten: Rewritten
+    function: Callable[..., Any]
+    seconds: float = 0.0
+    xla_bytes: int | None = None
+    xla_largest_bytes: int | None = None
+    xla_overshoot: float | None = None
+    check_seconds: float = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    def xla_plan(self, *args: Any, **kwargs: Any) -> XlaPlan | None:
+        """XLA's buffer assignment for one call (None when not compiled with XLA)."""
+        if not self.rewritten.config.jit_compile:
+            return None
+        return xla_plan(self.function, *args, **kwargs)
+
+    def xla_planned_bytes(self, *args: Any, **kwargs: Any) -> int | None:
+        """XLA's planned bytes for one call (None when not compiled with XLA)."""
+        plan = self.xla_plan(*args, **kwargs)
+        return plan.total_bytes if plan is not None else None
+
+
+def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                          passes: Sequence[GraphPass] | None = None, lint: bool = False,
+                          budget: Budget | None = None, input_signature: Any = None,
+                          name: str = "tfmem") -> Compiled:
+    """Rewrites and compiles `traced`; with a budget and XLA, checks XLA's own plan against it.
+
+    The static estimate counts live tensors; XLA's buffer assignment is what the
+    allocator will see (one block of temporaries, plus constants and parameters), and it
+    can be larger: copies in loops, fusion choices, its own schedule. When XLA plans more
+    than `Budget.xla_bytes`, or a block too large to find room beside the rest
+    (`Budget.xla_overshoot`), the passes run again to a plan scaled down by the overshoot,
+    up to `_REPLANS` times. This compiles the program once more than running it does.
+    """
+    rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget)
+    compiled = rewritten.compile(input_signature=input_signature, name=name)
+    budget = rewritten.budget
+    if budget is None or not rewritten.config.jit_compile:
+        return compiled
+    check_seconds = 0.0
+    for attempt in range(_REPLANS + 1):
+        start = time.perf_counter()
+        planned = compiled.xla_plan(*args, **kwargs)
+        check_seconds += time.perf_counter() - start
+        if planned is None:
+            return dataclasses.replace(compiled, check_seconds=check_seconds)
+        overshoot = budget.xla_overshoot(planned.total_bytes, planned.largest_bytes, allocator_peak())
+        compiled = dataclasses.replace(compiled, xla_bytes=planned.total_bytes, xla_largest_bytes=planned.largest_bytes,
+                                       xla_overshoot=overshoot, check_seconds=check_seconds)
+        if overshoot <= 1 or attempt == _REPLANS:
+            return compiled
+        plan = int(rewritten.config.memory_budget / overshoot * _REPLAN_MARGIN)
+        note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="budget", details={
+            "xla_planned_bytes": planned.total_bytes, "xla_share_bytes": budget.xla_bytes,
+            "xla_largest_allocation_bytes": planned.largest_bytes, "overshoot": round(overshoot, 3),
+            "next_budget_bytes": plan})
+        again = traced.rewrite(dataclasses.replace(rewritten.config, memory_budget=plan), passes=passes,
+                               lint=lint, budget=budget)
+        rewritten = dataclasses.replace(again, records=(note, *again.records),
+                                        seconds=rewritten.seconds + again.seconds)
+        compiled = rewritten.compile(input_signature=input_signature, name=name)
+    raise AssertionError("unreachable")
+
+
+_REPLANS = 2
+_REPLAN_MARGIN = 0.95
+
+
+def make_report(rewritten: Rewritten, *, status: Status, reason: str = "", pipeline_seconds: float | None = None,
+                **extra: Any) -> Report:
+    """A Report of a rewritten signature."""
+    traced = rewritten.traced
+    return Report(
+        function_name=traced.function_name, signature=traced.signature, config=rewritten.config,
+        status=status, reason=reason, budget=rewritten.budget, records=rewritten.records,
+        pass_seconds=rewritten.pass_seconds,
+        pipeline_seconds=traced.seconds + rewritten.seconds if pipeline_seconds is None else pipeline_seconds,
+        memory_before=traced.memory, memory_after=rewritten.memory, nodes_before=len(traced.graph),
+        nodes_after=len(rewritten.graph), original_graph_def=traced.captured.graph_def,
+        rewritten_graph_def=rewritten.graph.to_graph_def(), **extra)
