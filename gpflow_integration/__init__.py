@@ -33,7 +33,9 @@ Example:
 The other examples in this package's docstrings use small arrays named as in GPflow's
 documentation: `X` [200, 3] and `Y` [200, 1] training data (`N` = 200), `Z` [20, 3]
 inducing points, `X_test` and `Y_test` [50, ...], and models `sgpr`, `gpr` and `svgp`
-built on them (`tests/test_doctests.py` makes them).
+built on them; those of `gpflow_integration.distributed` also use `strategy`, a
+`tf.distribute.MirroredStrategy` over the CPU split into two logical devices
+(`tests/test_doctests.py` makes them).
 
 Attributes are imported on first use, so `import gpflow_integration` (and the
 `compare` command's argument checks) does not pay for importing GPflow and TensorFlow.

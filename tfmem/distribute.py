@@ -13,10 +13,15 @@ budget is therefore the process limit divided by the number of CPU devices the
 strategy uses on this worker; a real per-device limit on CPU needs one process per
 device (MultiWorkerMirroredStrategy).
 
-Example:
-    >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    >>> strategy.run(lambda: str(current_replica()))      # in each replica
-    'MirroredStrategy replica 0 of 2 on /job:localhost/replica:0/task:0/device:CPU:0', ...
+Example (in a fresh process: `split_cpu` must run before TensorFlow initialises its devices):
+    >>> strategy = tf.distribute.MirroredStrategy(split_cpu(2))   # ['/cpu:0', '/cpu:1']
+    >>> where = strategy.run(lambda: str(current_replica()))      # in each replica
+    >>> for text in strategy.experimental_local_results(where):
+    ...     print(text)
+    MirroredStrategy replica 0 of 2 on /job:localhost/replica:0/task:0/device:CPU:0
+    MirroredStrategy replica 1 of 2 on /job:localhost/replica:0/task:0/device:CPU:1
+    >>> print(current_replica())                                  # outside strategy.run
+    None
 """
 from __future__ import annotations
 
@@ -82,7 +87,11 @@ def replica_budget(config: Config, replica: Replica) -> Budget | None:
     process's allocator is split evenly between the CPU devices the strategy uses here.
 
     Example:
-        >>> replica_budget(Config(memory_budget="512MiB"), replica)
+        >>> strategy = tf.distribute.MirroredStrategy(split_cpu(2))
+        >>> replica = strategy.experimental_local_results(strategy.run(current_replica))[1]
+        >>> replica.device, replica.local_devices
+        ('/job:localhost/replica:0/task:0/device:CPU:1', ('/job:localhost/replica:0/task:0/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:1'))
+        >>> replica_budget(Config(memory_budget="512MiB"), replica)   # the config's, per replica
         Budget(nbytes=536870912, source='config')
     """
     on_cpu = tf.DeviceSpec.from_string(replica.device).device_type == "CPU"
@@ -96,8 +105,16 @@ def split_cpu(count: int) -> list[str]:
     Call it before TensorFlow runs anything (TF fixes its devices on first use). The
     logical devices share the CPU's cores and its one memory allocator.
 
-    Example:
-        >>> strategy = tf.distribute.MirroredStrategy(split_cpu(2))   # ['/cpu:0', '/cpu:1']
+    Example (in a fresh process; calling it again with the same count is harmless):
+        >>> split_cpu(2)
+        ['/cpu:0', '/cpu:1']
+        >>> strategy = tf.distribute.MirroredStrategy(split_cpu(2))
+        >>> strategy.num_replicas_in_sync
+        2
+        >>> split_cpu(3)            # too late: TensorFlow has initialised its devices
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Virtual devices cannot be modified after being initialized
 
     Raises:
         RuntimeError: if TensorFlow has already initialised its devices.

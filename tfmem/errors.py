@@ -42,7 +42,7 @@ def first_line(message: BaseException | str | None) -> str:
     for an error with no message, its type name; "" for no text.
 
     Example:
-        >>> first_line(ValueError("bad shape\n  at node x"))
+        >>> first_line(ValueError("bad shape\\n  at node x"))
         'bad shape'
     """
     text = (message if isinstance(message, str) or message is None else str(message)) or ""

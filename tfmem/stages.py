@@ -10,12 +10,19 @@
 with a fallback to the original where a stage fails. Each stage raises instead:
 
 Example:
-    >>> wrapped = tfmem.function(f, config={"memory_budget": "1GiB"})
-    >>> traced = wrapped.trace(x)                 # Traced: .graph, .captured, .memory
-    >>> rewritten = traced.rewrite()              # Rewritten: .graph, .records, .memory
-    >>> print(rewritten.report.summary())         # fits 1.0 GiB: estimated peak ...
+    >>> import tfmem
+    >>> from tfmem.examples import kernel_matmul, kernel_matmul_inputs
+    >>> x, v = kernel_matmul_inputs(n=1000)
+    >>> wrapped = tfmem.function(kernel_matmul, config={"memory_budget": "8MiB"})
+    >>> traced = wrapped.trace(x, v)                  # Traced: .graph, .captured, .memory
+    >>> print(traced.memory)
+    peak ... MiB at Square (largest live: Square:0 float64[1000, 1000, 3] 22.9 MiB, ...)
+    >>> rewritten = traced.rewrite(wrapped.config)   # Rewritten: .graph, .records, .memory
+    >>> print(rewritten.report.summary())
+    fits 8.0 MiB: estimated peak ... MiB, was ... MiB; 1 loop in ... chunks
     >>> compiled = rewritten.compile()
-    >>> compiled(x), compiled.xla_planned_bytes(x)
+    >>> compiled(x, v).shape, compiled.xla_planned_bytes(x, v) <= 8 * 2**20
+    (TensorShape([1000, 16]), True)
 """
 from __future__ import annotations
 

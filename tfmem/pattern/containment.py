@@ -12,6 +12,12 @@ node by a control edge only (TF's gradients put such edges in) reads no data; th
 may drop that edge (`OutsideReader.waiting_constant`) instead of rejecting.
 
 Example:
+    >>> import tensorflow as tf
+    >>> from tfmem.capture import capture
+    >>> def f(x):
+    ...     s = tf.square(x)
+    ...     return tf.reduce_sum(s) + tf.reduce_sum(tf.exp(s))
+    >>> graph = capture(tf.function(f).get_concrete_function(tf.TensorSpec([3]))).to_graph()
     >>> readers = outside_readers(graph, [TensorRef("Square")], {"Sum"})
     >>> [(str(r.tensor), r.reader) for r in readers]
     [('Square:0', 'Exp')]
@@ -55,6 +61,13 @@ def outside_readers(graph: Graph, inner_tensors: Iterable[TensorRef],
     by a control edge: each such case is one `OutsideReader` (one per reading node).
 
     Example:
+        >>> import tensorflow as tf
+        >>> from tfmem.capture import capture
+        >>> def f(a, b):
+        ...     ab = a @ b
+        ...     return tf.linalg.diag_part(ab), tf.reduce_max(ab)
+        >>> spec = tf.TensorSpec([3, 3])
+        >>> graph = capture(tf.function(f).get_concrete_function(spec, spec)).to_graph()
         >>> outside_readers(graph, [TensorRef("matmul")], {"diag_part"})
         [OutsideReader(tensor=TensorRef(node='matmul', index=0), reader='Max', ...)]
     """
@@ -105,6 +118,14 @@ def self_containment_reason(graph: Graph, readers: Sequence[OutsideReader], *,
         a graph output, that it must be kept, or which nodes (up to three) also read it.
 
     Example:
+        >>> import tensorflow as tf
+        >>> from tfmem.capture import capture
+        >>> def f(a, b):
+        ...     ab = a @ b
+        ...     return tf.linalg.diag_part(ab), tf.reduce_max(ab)
+        >>> spec = tf.TensorSpec([3, 3])
+        >>> graph = capture(tf.function(f).get_concrete_function(spec, spec)).to_graph()
+        >>> readers = outside_readers(graph, [TensorRef("matmul")], {"diag_part"})
         >>> self_containment_reason(graph, readers, subject="product {node}",
         ...                         consequence="it is materialised anyway")
         'product matmul is also read by Max: it is materialised anyway'
@@ -129,6 +150,16 @@ def outside_uses(graph: Graph, inner: Sequence[TensorRef], inside: Collection[st
     """`self_containment_reason` of `outside_readers`, worded the default way.
 
     Example:
+        >>> import tensorflow as tf
+        >>> from tfmem.capture import capture
+        >>> from tfmem.pattern.matcher import Pattern
+        >>> def f(x):
+        ...     s = tf.square(x)
+        ...     return tf.reduce_sum(s) + tf.reduce_sum(tf.exp(s))
+        >>> graph = capture(tf.function(f).get_concrete_function(tf.TensorSpec([3]))).to_graph()
+        >>> match = Pattern(lambda op, x: op.Sum(op.Square(x), op.any())).match(graph, "Sum")
+        >>> match.nodes
+        ('Sum', 'Square')
         >>> outside_uses(graph, match.inner, set(match.nodes))
         'not self-contained: Square:0 is also read by Exp'
     """
@@ -139,7 +170,12 @@ def sole_reader(graph: Graph, tensor: TensorRef) -> str | None:
     """The node that alone reads `tensor`, once, when nothing else needs its node; else None.
 
     Example:
-        >>> sole_reader(graph, TensorRef("matmul"))   # for (a @ b) @ v
+        >>> import tensorflow as tf
+        >>> from tfmem.capture import capture
+        >>> spec = tf.TensorSpec([3, 3])
+        >>> cf = tf.function(lambda a, b, v: (a @ b) @ v).get_concrete_function(spec, spec, spec)
+        >>> graph = capture(cf).to_graph()
+        >>> sole_reader(graph, TensorRef("matmul"))   # a @ b is read only by (a @ b) @ v
         'matmul_1'
     """
     uses = graph.consumers(tensor)

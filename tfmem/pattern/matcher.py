@@ -12,6 +12,11 @@ record — but its reason is logged at debug level, never a bare False. Conditio
 which a real match is declined belong in a rule's `check`, whose reasons are recorded.
 
 Example:
+    >>> import tensorflow as tf
+    >>> from tfmem.capture import capture
+    >>> spec = tf.TensorSpec([3, 3])
+    >>> cf = tf.function(lambda a, b: tf.exp(tf.matmul(a, b))).get_concrete_function(spec, spec)
+    >>> graph = capture(cf).to_graph()
     >>> p = Pattern(lambda op, a, b: (op.MatMul | op.BatchMatMulV2)(a, b))
     >>> [m.root.node for m in p.matches(graph)]
     ['MatMul']
@@ -74,6 +79,10 @@ class Pattern:
             given a reason is not a match (the reason is logged at debug level).
 
     Example:
+        >>> import tensorflow as tf
+        >>> from tfmem.capture import capture
+        >>> f = tf.function(lambda x: tf.reshape(tf.reshape(x, [6]), [6]))   # the second is a no-op
+        >>> graph = capture(f.get_concrete_function(tf.TensorSpec([2, 3]))).to_graph()
         >>> p = Pattern(lambda op, x: op.Reshape(x, op.any()),
         ...             require=lambda g, m: None if g.spec(m.root) == g.spec(m["x"])
         ...             else "the reshape changes the shape")

@@ -14,7 +14,9 @@ candidate regions, `check` each with a reason, `emit` the replacement. Its `run`
 records every region it was offered, fired or rejected with the reason.
 
 Example:
-    >>> import numpy as np
+    >>> from tfmem.capture import capture
+    >>> f = tf.function(lambda x: tf.reduce_sum(tf.square(x), axis=1))
+    >>> graph = capture(f.get_concrete_function(tf.TensorSpec([3, 4]))).to_graph()
     >>> def square_then_sum(op, x):
     ...     return op.Sum(op.Square(x), op.const(name="axis"), keep_dims=False)
     >>> rule = RewriteRule(
@@ -63,6 +65,9 @@ class RewriteRule(GraphPass):
     whether XLA compiles the result).
 
     Example:
+        >>> from tfmem.capture import capture
+        >>> f = tf.function(lambda x: -(-x))
+        >>> graph = capture(f.get_concrete_function(tf.TensorSpec([3]))).to_graph()
         >>> rule = RewriteRule("DoubleNegation", lambda op, x: op.Neg(op.Neg(x)),
         ...                    replacement=lambda x: tf.identity(x))
         >>> rule.run(graph, Config()).records[0].status
@@ -121,6 +126,10 @@ def live_nodes(graph: Graph, ops: Iterable[str], *, consumers_first: bool = Fals
     emits may remove nodes.
 
     Example:
+        >>> from tfmem.capture import capture
+        >>> spec = tf.TensorSpec([3, 3])
+        >>> cf = tf.function(lambda a, b, v: (a @ b) @ v).get_concrete_function(spec, spec, spec)
+        >>> graph = capture(cf).to_graph()
         >>> [n.name for n in live_nodes(graph, {"MatMul", "BatchMatMulV2"}, consumers_first=True)]
         ['matmul_1', 'matmul']
     """
@@ -164,6 +173,10 @@ class RegionRule(GraphPass, Generic[RegionT]):
     is pruned). A region whose nodes an earlier firing consumed or removed is skipped.
 
     Example:
+        >>> from tfmem.capture import capture
+        >>> from tfmem.pattern.containment import outside_uses
+        >>> f = tf.function(lambda x: -(-x))
+        >>> graph = capture(f.get_concrete_function(tf.TensorSpec([3]))).to_graph()
         >>> class DropDoubleNegation(RegionRule):
         ...     name = rule = "drop_double_negation"; stage = "match_and_replace"
         ...     def find(self, graph):
@@ -248,6 +261,10 @@ class RuleSet(RegionRule[RuleMatch]):
         name: the pass name in records.
 
     Example:
+        >>> from rewrites.grappler_cleanup import no_op_folds
+        >>> from tfmem.capture import capture
+        >>> f = tf.function(lambda x: tf.exp(tf.reshape(x, [2, 3])))   # x is [2, 3]: a no-op reshape
+        >>> graph = capture(f.get_concrete_function(tf.TensorSpec([2, 3]))).to_graph()
         >>> result = RuleSet(no_op_folds()).run(graph, Config())
         >>> [(r.rule, r.status, r.reason) for r in result.records]
         [('FoldNoOpReshape', 'fired', '')]
