@@ -624,7 +624,7 @@ CI_PROGRAMS: tuple[str, ...] = (
     "attention_softmax_grad", "attention_by_hand_grad", "attention_multihead_grad",
     "attention_multihead_by_hand_outer_tape",
     "knn_euclidean", "knn_cosine", "knn_manhattan", "nearest_argmin",
-    "kernel_moments", "kernel_variance_naive", "logsumexp_by_hand", "knn_squared",
+    "kernel_moments", "kernel_variance_naive", "logsumexp_by_hand", "kxy_expanded_matmul",
     "softmax_matmul", "row_normalised", "centred_kernel", "nadaraya_watson",
     "random_feature_gram", "log_softmax_mean",
 )

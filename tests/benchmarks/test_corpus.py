@@ -9,8 +9,10 @@ limit equal to the program's budget (`benchmarks.corpus.trial:tfmem_trial`) runs
 The four tests per program read that process's record (if the process dies, the steps
 run again in two processes, so that the crash is pinned on the step that crashed).
 
-The processes of all selected programs start together, `CORPUS_JOBS` (default 2)
-at a time; each has its own allocator limit. A process stopped by the hang guard
+The processes of all selected programs start when collection ends (`tests/conftest.py`
+calls `start_selected` and moves this file's tests last), so they run beside the rest of
+the suite: `CORPUS_JOBS` at a time (default 1 beside other tests, 2 when only this file
+runs); each has its own allocator limit. A process stopped by the hang guard
 (`CORPUS_TIMEOUT` seconds, default 1800) fails its tests as a *timeout*, never as
 tfmem running out of memory or answering wrongly.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -32,21 +35,36 @@ from benchmarks.corpus.trial import compare
 from tfmem.config import format_size
 
 _TIMEOUT = float(os.environ.get("CORPUS_TIMEOUT", "1800"))
-_JOBS = int(os.environ.get("CORPUS_JOBS", "2"))
 Trials = dict[str, concurrent.futures.Future[dict[str, Any]]]
+_started: Trials | None = None
+
+
+def start_selected(items: list[pytest.Item]) -> None:
+    """Starts the trial processes of the programs whose tests are among `items` (-k aware)."""
+    global _started
+    if _started is not None:
+        return
+    mine = [item for item in items if getattr(item, "module", None) is sys.modules[__name__]]
+    selected = {item.callspec.params["name"] for item in mine
+                if hasattr(item, "callspec") and "name" in item.callspec.params}
+    names = [name for name in CI_PROGRAMS if name in selected]
+    jobs = int(os.environ.get("CORPUS_JOBS", "2" if len(mine) == len(items) else "1"))
+    futures = start_trials([(name, "tfmem", "budget") for name in names], timeout=_TIMEOUT, jobs=jobs)
+    _started = dict(zip(names, futures))
+
+
+def cancel_pending() -> None:
+    """Cancels the trials that have not started (a running one finishes on its own)."""
+    for future in (_started or {}).values():
+        future.cancel()
 
 
 @pytest.fixture(scope="module")
 def trials(request: pytest.FixtureRequest) -> Trials:
-    """Every selected program's trial process, started at once, `CORPUS_JOBS` (2) at a time."""
-    selected = set()
-    for item in request.session.items:  # only the programs whose tests were selected (-k)
-        callspec = getattr(item, "callspec", None)
-        if getattr(item, "module", None) is request.module and callspec is not None and "name" in callspec.params:
-            selected.add(callspec.params["name"])
-    names = [name for name in CI_PROGRAMS if name in selected]
-    futures = start_trials([(name, "tfmem", "budget") for name in names], timeout=_TIMEOUT, jobs=_JOBS)
-    return dict(zip(names, futures))
+    """Every selected program's trial process (started at collection by `start_selected`)."""
+    start_selected(request.session.items)
+    assert _started is not None
+    return _started
 
 
 def _step(trials: Trials, name: str, step: str) -> dict[str, Any]:
