@@ -459,15 +459,37 @@ def _version(distribution: str) -> str | None:
 
 
 def _code_version() -> str | None:
-    """`git describe` of the code that ran ("<commit>-dirty" if it had uncommitted changes)."""
+    """`git describe` of the code that ran ("<commit>-dirty" if it had uncommitted changes).
+
+    For an installed copy (`pip install .`), the checkout pip installed it from, as pip
+    recorded it (`direct_url.json`); None when neither is a git checkout.
+    """
+    for directory in (Path(__file__).resolve().parent, _installed_from()):
+        if directory is None or not directory.is_dir():
+            continue
+        try:
+            proc = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
+                                  cwd=directory, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if proc.returncode == 0 and proc.stdout.strip():
+            return proc.stdout.strip()
+    return None
+
+
+def _installed_from() -> Path | None:
+    """The local directory pip installed tfmem from, if it recorded one."""
+    import urllib.parse
+    import urllib.request
+
     try:
-        proc = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
-                              cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
+        text = importlib.metadata.distribution("tfmem").read_text("direct_url.json")
+        url = json.loads(text or "{}").get("url", "")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
         return None
-    if proc.returncode != 0:  # not a git checkout (an installed copy): nothing to name
+    if not url.startswith("file:"):
         return None
-    return proc.stdout.strip() or None
+    return Path(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
 
 
 def _json_default(value: Any) -> Any:
