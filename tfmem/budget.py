@@ -50,7 +50,7 @@ XLA_FRACTION = 0.95
 # XLA asks for a program's temporaries as one block. A growing allocator (TensorFlow's
 # BFC with growth, as on the CPU) never hands a region back and grows regions by doubling,
 # so after allocations that peaked at P it holds regions of up to REGION_SLACK × P, the
-# largest about P: the block must fit in that largest region or in what is left to grow.
+# largest at least P / REGION_SLACK: the block must fit in that or in what is left to grow.
 # Seen on the corpus: SVGP planned 177 MiB of the 182 allowed, and its 166 MiB block was
 # refused under 192 MiB after 24 MiB of data had grown the regions; accounting for them,
 # it is split further and runs.
@@ -81,8 +81,9 @@ class Budget:
 
         The plan must fit whole, and its largest block (the temporaries) must find room
         in one piece: in the largest region the allocator grew for earlier allocations that
-        peaked at `held_peak` (about `held_peak`), or in what is left to grow once regions
-        of `REGION_SLACK` times those allocations (or the plan's other buffers) are held.
+        peaked at `held_peak` (at least `held_peak / REGION_SLACK`), or in what is left to
+        grow once regions of `REGION_SLACK` times those allocations (or the plan's other
+        buffers) are held.
 
         Example:
             >>> budget = Budget(1000, "config")                   # XLA may plan 950
@@ -91,7 +92,8 @@ class Budget:
             >>> budget.xla_overshoot(total_bytes=900, largest_bytes=800, held_peak=300)  # room: 350
             2.285...
         """
-        room = max(held_peak, self.xla_bytes - REGION_SLACK * max(held_peak, total_bytes - largest_bytes))
+        largest_region = held_peak / REGION_SLACK  # regions double: the last holds at least half
+        room = max(largest_region, self.xla_bytes - REGION_SLACK * max(held_peak, total_bytes - largest_bytes))
         return max(total_bytes / self.xla_bytes, largest_bytes / max(room, 1))
 
     def __str__(self) -> str:
