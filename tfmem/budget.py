@@ -172,7 +172,10 @@ def device_budget(device: str | None = None, *, sharing: int = 1, environ: Mappi
 
 
 def allocator_peak(device: str | None = None) -> int:
-    """The peak so far of the allocator a program on `device` uses (0 where unknown).
+    """The peak so far of the allocator a program on `device` uses, where it matters.
+
+    0 where unknown, and where the allocator does not grow in regions (the CPU without
+    `TF_CPU_ALLOCATOR_USE_BFC`, a GPU without memory growth): see `Budget.xla_overshoot`.
 
     `device`: as for `device_budget`; None = the first GPU if there is one, else the CPU.
     """
@@ -180,7 +183,22 @@ def allocator_peak(device: str | None = None) -> int:
     if kind is None:
         gpus = _gpu_limits()
         kind, index = ("GPU", min(_parse_device(name)[1] for name in gpus)) if gpus else ("CPU", 0)
+    if not _grows_in_regions(kind, index):
+        return 0  # regions do not matter: malloc on the CPU, or one preallocated GPU region
     return _memory_info(f"{kind}:{index}")[1]
+
+
+def _grows_in_regions(kind: str, index: int, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the device's allocator is a BFC allocator that grows region by region."""
+    environ = os.environ if environ is None else environ
+    if kind == "CPU":
+        return environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").strip().lower() in ("1", "true")
+    if environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").strip().lower() == "true":
+        return True
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    return index < len(gpus) and bool(tf.config.experimental.get_memory_growth(gpus[index]))
 
 
 def _memory_info(device: str) -> tuple[int, int]:

@@ -90,6 +90,13 @@ def test_xla_plan_fits_when_it_fits_whole_and_its_block_finds_room() -> None:
     assert budget.xla_overshoot(total_bytes=600, largest_bytes=500, held_peak=900) == pytest.approx(500 / 450)
 
 
+def test_only_an_allocator_that_grows_in_regions_counts_its_peak() -> None:
+    grows = budget_module._grows_in_regions
+    assert grows("CPU", 0, environ={"TF_CPU_ALLOCATOR_USE_BFC": "1"})
+    assert not grows("CPU", 0, environ={})
+    assert grows("GPU", 0, environ={"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
+
+
 def test_budget_prints_its_size_and_source() -> None:
     assert str(Budget(2**30, "config")) == "1.0 GiB (config)"
 
