@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tfmem.config import Config, format_size
@@ -137,10 +137,7 @@ def device_budget(device: str | None = None, *, sharing: int = 1, environ: Mappi
     """
     environ = os.environ if environ is None else environ
     limits = _gpu_limits if gpu_limits is None else gpu_limits
-    kind, index = _parse_device(device)
-    if kind is None:
-        gpus = limits()
-        kind, index = ("GPU", min(_parse_device(name)[1] for name in gpus)) if gpus else ("CPU", 0)
+    kind, index = _resolve_device(device, lambda: limits().keys())
     if kind == "GPU":
         limit = limits().get(f"GPU:{index}")
         if not limit:
@@ -179,10 +176,7 @@ def allocator_peak(device: str | None = None) -> int:
 
     `device`: as for `device_budget`; None = the first GPU if there is one, else the CPU.
     """
-    kind, index = _parse_device(device)
-    if kind is None:
-        gpus = _gpu_limits()
-        kind, index = ("GPU", min(_parse_device(name)[1] for name in gpus)) if gpus else ("CPU", 0)
+    kind, index = _resolve_device(device, _gpu_names)
     if not _grows_in_regions(kind, index):
         return 0  # regions do not matter: malloc on the CPU, or one preallocated GPU region
     return _memory_info(f"{kind}:{index}")[1]
@@ -219,6 +213,22 @@ def _parse_device(device: str | None) -> tuple[str | None, int]:
     if match is None:
         return None, 0
     return match.group("kind").upper(), int(match.group("index"))
+
+
+def _resolve_device(device: str | None, gpu_names: Callable[[], Iterable[str]]) -> tuple[str, int]:
+    """("GPU", 0) for "GPU:0" and the like; for None, the first of `gpu_names` or else the CPU."""
+    kind, index = _parse_device(device)
+    if kind is None:
+        gpus = list(gpu_names())
+        kind, index = ("GPU", min(_parse_device(name)[1] for name in gpus)) if gpus else ("CPU", 0)
+    return kind, index
+
+
+def _gpu_names() -> list[str]:
+    """"GPU:0", ... for each visible GPU (without asking device_lib for their limits)."""
+    import tensorflow as tf
+
+    return [f"GPU:{i}" for i in range(len(tf.config.list_physical_devices("GPU")))]
 
 
 def _gpu_limits() -> dict[str, int]:

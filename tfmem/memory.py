@@ -302,11 +302,6 @@ def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:
     return XlaPlan(sum(a.size for a in allocations), max(own, default=0))
 
 
-def planned_bytes_from_hlo_proto(serialized: bytes) -> int:
-    """XLA's "Total bytes used": the sum of the buffer allocations in an HloProto."""
-    return xla_plan_from_hlo_proto(serialized).total_bytes
-
-
 def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:
     """XLA's buffer assignment for one call of a jit-compiled function, or None.
 
