@@ -152,8 +152,7 @@ class Compiled:
     """The rewritten graph as a callable `tf.function` with the user's signature.
 
     Attributes:
-        xla_bytes: XLA's planned bytes for it, when `compile_within_budget` asked.
-        xla_largest_bytes: the largest single allocation of that plan.
+        checked_plan: XLA's plan for it, when `compile_within_budget` checked one.
         xla_overshoot: `Budget.xla_overshoot` of that plan (≤ 1: it fits), given what the
             allocator held before.
         check_seconds: how long asking XLA took (it compiles the program).
@@ -162,8 +161,7 @@ class Compiled:
     rewritten: Rewritten
     function: Callable[..., Any]
     seconds: float = 0.0
-    xla_bytes: int | None = None
-    xla_largest_bytes: int | None = None
+    checked_plan: XlaPlan | None = None
     xla_overshoot: float | None = None
     check_seconds: float = 0.0
 
@@ -208,8 +206,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         if planned is None:
             return dataclasses.replace(compiled, check_seconds=check_seconds)
         overshoot = budget.xla_overshoot(planned.total_bytes, planned.largest_bytes, allocator_peak())
-        compiled = dataclasses.replace(compiled, xla_bytes=planned.total_bytes, xla_largest_bytes=planned.largest_bytes,
-                                       xla_overshoot=overshoot, check_seconds=check_seconds)
+        compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,
+                                       check_seconds=check_seconds)
         if overshoot <= 1 or attempt == _REPLANS:
             return compiled
         plan = int(rewritten.config.memory_budget / overshoot * _REPLAN_MARGIN)

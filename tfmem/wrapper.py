@@ -277,10 +277,10 @@ class TfmemFunction:
         except Exception as err:  # any failure: keep the user's program running
             self._fall_back(signature, f"{type(err).__name__}: {first_line(err)}", err)
             return signature
-        rewritten = signature.compiled.rewritten
+        rewritten, plan = signature.compiled.rewritten, signature.compiled.checked_plan
         signature.report = make_report(rewritten, status="rewritten" if rewritten.modified else "unchanged",
-                                       xla_bytes_after=signature.compiled.xla_bytes,
-                                       xla_largest_bytes_after=signature.compiled.xla_largest_bytes,
+                                       xla_bytes_after=plan.total_bytes if plan else None,
+                                       xla_largest_bytes_after=plan.largest_bytes if plan else None,
                                        xla_overshoot_after=signature.compiled.xla_overshoot,
                                        xla_check_seconds=signature.compiled.check_seconds, replica=replica)
         if signature.report.fits is False:
@@ -296,8 +296,7 @@ class TfmemFunction:
         if shared is not None:
             again = shared.rewritten.for_trace(traced).compile(input_signature=self._input_signature,
                                                                name=f"tfmem_{self._scope}")
-            return dataclasses.replace(again, xla_bytes=shared.xla_bytes, xla_largest_bytes=shared.xla_largest_bytes,
-                                       xla_overshoot=shared.xla_overshoot)
+            return dataclasses.replace(again, checked_plan=shared.checked_plan, xla_overshoot=shared.xla_overshoot)
         compiled = compile_within_budget(traced, config, args, kwargs, passes=self._passes, lint=self._lint,
                                          budget=budget, input_signature=self._input_signature,
                                          name=f"tfmem_{self._scope}")
