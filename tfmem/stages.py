@@ -37,7 +37,7 @@ from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
-from tfmem.passes import GraphPass, PassManager, RewriteRecord, default_pipeline
+from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import Report, Status
 
 
@@ -56,6 +56,9 @@ class Traced:
     signature: str
     captured: CapturedFunction
     seconds: float = 0.0
+    # The budget-free part of each pipeline run on this trace (`PassManager.run_prefix`),
+    # reused when the same passes run again for another budget.
+    _prefixes: dict[Any, PipelineResult] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def graph(self) -> Graph:
@@ -88,11 +91,21 @@ class Traced:
             budget = resolve_budget(config, device)
         if budget is not None and config.memory_budget is None:  # from the device: the passes plan to it
             config = dataclasses.replace(config, memory_budget=budget.nbytes)
+        # The registered pipeline is made anew from the config; given passes are the same objects.
+        key = (tuple(passes) if passes is not None else "registered", _without_budget(config), lint)
         passes = list(passes) if passes is not None else default_pipeline(config)
-        result = PassManager(passes, lint=lint).run(self.graph, config)
-        memory = estimate_memory(result.graph)
+        manager = PassManager(passes, lint=lint)
+        fresh = key not in self._prefixes
+        if fresh:
+            self._prefixes[key] = manager.run_prefix(self.graph, config)
+        prefix = self._prefixes[key]
+        result = manager.run(self.graph, config, prefix=prefix)
+        pass_seconds = {name: t + (prefix.seconds.get(name, 0.0) if fresh else 0.0)
+                        for name, t in result.seconds.items()}
+        with collector_paused():
+            memory = estimate_memory(result.graph)
         return Rewritten(traced=self, config=config, budget=budget, graph=result.graph,
-                         records=tuple(result.records), pass_seconds=dict(result.seconds),
+                         records=tuple(result.records), pass_seconds=pass_seconds,
                          memory=memory, seconds=time.perf_counter() - start)
 
 
@@ -225,6 +238,11 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
 
 _REPLANS = 2
 _REPLAN_MARGIN = 0.95
+
+
+def _without_budget(config: Config) -> Config:
+    """`config` less what only budget-reading passes read: the key of a shared prefix."""
+    return dataclasses.replace(config, memory_budget=None, tensor_size_threshold=None, tensor_split_size=None)
 
 
 def make_report(rewritten: Rewritten, *, status: Status, reason: str = "", pipeline_seconds: float | None = None,

@@ -40,6 +40,7 @@ class SplitOversizedRegions(GraphPass):
     name = "split_oversized_regions"
     stage = "split"
     once = True
+    reads_budget = True
 
     def run(self, graph: Graph, config: Config) -> PassResult:
         threshold, budget = config.tensor_size_threshold, config.memory_budget

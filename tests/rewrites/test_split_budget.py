@@ -105,3 +105,19 @@ def test_zero_config_under_a_real_allocator_limit_fits_where_stock_xla_does_not(
     assert result.value["summary"].startswith("fits "), result.value["summary"]
     assert "TF_CPU_BFC_MEM_LIMIT_IN_MB=160" in result.value["budget"], result.value["budget"]
     assert result.peak_bytes <= 160 * 2**20
+
+
+def test_planning_again_for_another_budget_reuses_the_cleaned_up_graph(kernel_inputs, monkeypatch) -> None:
+    prefixes = []
+    run_prefix = tfmem.PassManager.run_prefix
+    monkeypatch.setattr(tfmem.PassManager, "run_prefix",
+                        lambda self, *args: prefixes.append(run_prefix(self, *args)) or prefixes[-1])
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    loose = traced.rewrite(tfmem.Config(memory_budget="64MiB"))
+    tight = traced.rewrite(tfmem.Config(memory_budget="8MiB"))
+    assert len(prefixes) == 1  # the budget-free passes ran once
+    assert tight.memory.peak_bytes < loose.memory.peak_bytes
+    # The same graphs as a trace that plans for one budget only.
+    again = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs).rewrite(tfmem.Config(memory_budget="8MiB"))
+    assert again.graph.op_counts() == tight.graph.op_counts()
+    assert again.memory.peak_bytes == tight.memory.peak_bytes

@@ -80,3 +80,50 @@ def test_registry_follows_config_stages() -> None:
     assert passes_for(Config(passes=[])) == []
     stages = [p.stage for p in passes_for(Config())]
     assert stages == sorted(stages, key=["cleanup", "match_and_replace", "reorder", "split"].index)
+
+
+class _CountRuns(_RemoveOneIdentity):
+    """_RemoveOneIdentity that counts its runs."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        self.runs += 1
+        return super().run(graph, config)
+
+
+class _RecordBudget(GraphPass):
+    """Reads the budget: records it, changes nothing."""
+
+    name, stage, reads_budget = "record_budget", "split", True
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        return PassResult(graph, False, [RewriteRecord(self.name, "budget", "info",
+                                                       details={"budget": config.memory_budget})])
+
+
+def test_the_budget_free_prefix_runs_once_and_is_reused_for_another_budget() -> None:
+    graph = graph_of(_identities, tf.TensorSpec([3], tf.float32))
+    counter = _CountRuns()
+    manager = PassManager([counter, _RecordBudget()], lint=True)
+    prefix = manager.run_prefix(graph, Config())
+    assert counter.runs == 3 and prefix.graph.op_counts()["Identity"] == 1  # to its fixed point
+    runs_before = counter.runs
+    for budget in (1 << 20, 1 << 10):
+        result = manager.run(graph, Config(memory_budget=budget), prefix=prefix)
+        assert [r.details["budget"] for r in result.records if r.pass_name == "record_budget"] == [budget]
+        assert result.graph.op_counts() == prefix.graph.op_counts()
+    # From a reused prefix the first round starts at the budget pass; it changed nothing,
+    # so the prefix pass does not run again.
+    assert counter.runs == runs_before
+    assert prefix.graph.op_counts()["Identity"] == 1  # the shared prefix is not edited
+
+
+def test_run_without_a_prefix_equals_run_with_it() -> None:
+    graph = graph_of(_identities, tf.TensorSpec([3], tf.float32))
+    manager = PassManager([_RemoveOneIdentity(), _RecordBudget()])
+    alone = manager.run(graph, Config(memory_budget=1024))
+    shared = manager.run(graph, Config(memory_budget=1024), prefix=manager.run_prefix(graph, Config()))
+    assert alone.graph.to_graph_def() == shared.graph.to_graph_def()
+    assert [str(r) for r in alone.records] == [str(r) for r in shared.records]
