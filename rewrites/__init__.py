@@ -10,6 +10,7 @@ from rewrites.cleanup import ForwardIdentities
 from rewrites.compose_transposes import ComposeTransposes
 from rewrites.detach_constants import DetachConstants
 from rewrites.grappler_cleanup import GrapplerCleanup
+from rewrites.order_only_edges import DropOrderOnlyControlEdges
 from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
 from rewrites.diag_of_product import ContractDiagOfProduct
@@ -20,7 +21,7 @@ from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup),
+    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup, DropOrderOnlyControlEdges),
     "match_and_replace": (ExpandSquaredDistance, ComposeTransposes),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     "split": (SplitOversizedRegions,),

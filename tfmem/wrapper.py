@@ -235,7 +235,10 @@ class TfmemFunction:
                 call_args, call_kwargs = _substitute(args, kwargs, flat, positions, tensors)
                 result_flat = tf.nest.flatten(fn(*call_args, **call_kwargs), expand_composites=True)
             targets = [result_flat[j] for j in out_positions]
-            pairs = [(t, dy) for t, dy in zip(targets, upstream) if t.dtype.is_floating or t.dtype.is_complex]
+            # A Python value the function returns (an int, a string) is a tensor only in the
+            # traced forward: here it is the value itself, and has no gradient either way.
+            pairs = [(t, dy) for t, dy in zip(targets, upstream)
+                     if tf.is_tensor(t) and (t.dtype.is_floating or t.dtype.is_complex)]
             grads = tape.gradient([t for t, _ in pairs], sources, output_gradients=[dy for _, dy in pairs],
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return [g if x.dtype.is_floating or x.dtype.is_complex else None for g, x in zip(grads, sources)]

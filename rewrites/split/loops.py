@@ -117,8 +117,10 @@ class _Combiner:
         if kind in ("sum", "mean"):
             return [filled(out, 0)]
         if kind in ("max", "min", "prod", "all", "any"):
-            return [filled(out, {"max": _lowest(out.dtype), "min": _highest(out.dtype), "prod": 1,
-                               "all": True, "any": False}[kind])]
+            # Only this kind's identity: a bool has no lowest value, an int no infinity.
+            identity = {"max": lambda: _lowest(out.dtype), "min": lambda: _highest(out.dtype),
+                        "prod": lambda: 1, "all": lambda: True, "any": lambda: False}[kind]
+            return [filled(out, identity())]
         if kind in ("argmax", "argmin"):
             extreme = _lowest if kind == "argmax" else _highest
             values = tf.TensorSpec(out.shape, self.source_dtype)

@@ -114,6 +114,22 @@ def _unary(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     return [DimClass(((x, j), (TensorRef(node.name), j))) for j in range(len(_shape(graph, x)))]
 
 
+def _select(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """TF1's `Select(cond, t, e)` (Pow's gradient uses it): `t`, `e` and the output share one
+    shape; `cond` has that shape too, or is a scalar (read whole), or is a vector that picks
+    whole rows (its axis lines up with axis 0, not with the last as broadcasting would)."""
+    cond, t, e = _operands(graph, node)
+    out = TensorRef(node.name)
+    rank, cond_rank = len(_shape(graph, out)), len(_shape(graph, cond))
+    classes = []
+    for j in range(rank):
+        members: list[Member] = [(out, j), (t, j), (e, j)]
+        if cond_rank == rank or (cond_rank == 1 and j == 0):
+            members.append((cond, j))
+        classes.append(DimClass(tuple(members)))
+    return classes
+
+
 def _reduction(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     x, axes_ref = _operands(graph, node)
     rank = len(_shape(graph, x))
@@ -391,7 +407,7 @@ def _einsum(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
 
 _RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
     **{op: _unary for op in _UNARY},
-    **{op: _elementwise for op in _ELEMENTWISE},
+    **{op: _elementwise for op in _ELEMENTWISE}, "Select": _select,
     **{op: _reduction for op in _REDUCTIONS},
     "ArgMax": _arg_reduction, "ArgMin": _arg_reduction, "TopKV2": _top_k,
     "MatMul": _matmul, "BatchMatMulV2": _matmul, "BatchMatMulV3": _matmul,

@@ -126,6 +126,8 @@ SINKS: list[tuple[str, Callable[..., Any]]] = [
     ("contract", lambda x, y: _cross(x, y) @ y),
     ("contract_t", lambda x, y: tf.matmul(_cross(x, y), x, transpose_a=True)),
     ("write_out_small", lambda x, y: tf.reduce_sum(_cross(x, y), axis=1, keepdims=True) * x),
+    ("any_rows", lambda x, y: tf.reduce_any(_cross(x, y) > 0.99, axis=1)),
+    ("all_cols", lambda x, y: tf.reduce_all(_cross(x, y) > 0.01, axis=0)),
 ]
 
 
@@ -139,7 +141,7 @@ def test_every_sink_combines_correctly(name: str, fn: Callable[..., Any], dtype:
     wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
     assert_split_bounded(wrapped, (x, y), threshold)
     got, want = wrapped(x, y), fn(x, y)
-    if want.dtype.is_integer:
+    if want.dtype.is_integer or want.dtype == tf.bool:
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     else:
         assert _relative_error(got, want) <= (1e-5 if dtype == tf.float32 else 1e-12)
@@ -244,7 +246,7 @@ def test_random_graphs_split_equals_unsplit(ops: list[int], sink: int, n: int, m
     # Split, or (e.g. a reordered chain) no longer needing a split: nothing oversized is left.
     assert max(b for _, b in top_level_bytes(report.rewritten_graph_def)) <= threshold, str(report)
     got, want = wrapped(x, y), fn(x, y)
-    if want.dtype.is_integer:
+    if want.dtype.is_integer or want.dtype == tf.bool:
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     else:
         assert _relative_error(got, want) <= 1e-10
@@ -270,3 +272,44 @@ def test_memory_budget_splits_tensors_under_the_threshold(rng: np.random.Generat
     assert fit.status == "info" and fit.details["peak_bytes"] <= one
     assert report.memory_after.peak_bytes <= one
     assert _relative_error(wrapped(x, y), fn(x, y)) <= 1e-12
+
+
+SELECTS: list[tuple[str, Callable[..., Any]]] = [
+    # TF1's Select: the condition has the values' shape, is a scalar, or picks whole rows.
+    ("same_shape", lambda s, x: tf.raw_ops.Select(condition=s > 0.5, x=s, y=-s)),
+    ("scalar", lambda s, x: tf.raw_ops.Select(condition=tf.reduce_sum(x) > 0, x=s, y=2.0 * s)),
+    ("rows", lambda s, x: tf.raw_ops.Select(condition=x[:, 0] > 0, x=s, y=tf.sqrt(s))),
+]
+
+
+@pytest.mark.parametrize("name, select", SELECTS, ids=[s[0] for s in SELECTS])
+@pytest.mark.parametrize("sink_axis", [0, 1])
+def test_select_splits_along_either_axis(name: str, select: Callable[..., Any], sink_axis: int,
+                                         rng: np.random.Generator) -> None:
+    def fn(x, y):
+        return tf.reduce_sum(select(_cross(x, y), x), axis=sink_axis)
+
+    x, y = tf.constant(rng.normal(size=(240, 4))), tf.constant(rng.normal(size=(310, 4)))
+    threshold = 240 * 310 * 8 // 5
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    report = assert_split_bounded(wrapped, (x, y), threshold)
+    assert not [r for r in report.rejected if "Select" in r.reason], str(report)
+    assert _relative_error(wrapped(x, y), fn(x, y)) <= 1e-12
+
+
+def test_pow_gradient_splits(rng: np.random.Generator) -> None:
+    """d(base ** e)/de is Select(base > 0, log(base), 0) * out: GPflow's RationalQuadratic."""
+    x, y = tf.constant(rng.normal(size=(200, 4))), tf.constant(rng.normal(size=(260, 4)))
+    alpha = tf.constant(0.7, tf.float64)
+
+    def fn(x, y, alpha):
+        with tf.GradientTape() as tape:
+            tape.watch(alpha)
+            loss = tf.reduce_sum((1.0 + tf.square(x @ tf.transpose(y)) / alpha) ** (-alpha))
+        return loss, tape.gradient(loss, alpha)
+
+    threshold = 200 * 260 * 8 // 4
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    report = assert_split_bounded(wrapped, (x, y, alpha), threshold)
+    assert not [r for r in report.rejected if "Select" in r.reason], str(report)
+    assert _relative_error(wrapped(x, y, alpha), fn(x, y, alpha)) <= 1e-12

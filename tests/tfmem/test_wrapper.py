@@ -219,6 +219,24 @@ def test_outer_tape_with_nested_inputs_and_kwargs(rng: np.random.Generator) -> N
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10)
 
 
+@pytest.mark.parametrize("structure", ["dict", "tuple"])
+def test_outer_tape_through_a_function_that_also_returns_a_python_value(structure: str,
+                                                                         rng: np.random.Generator) -> None:
+    def fn(x, y):
+        rows = tf.reduce_sum(tf.exp(-tf.square(x @ tf.transpose(y))), 1)
+        return {"rows": rows, "n": 3} if structure == "dict" else (rows, 3)
+
+    x, y = tf.constant(rng.normal(size=(50, 3))), tf.constant(rng.normal(size=(40, 3)))
+    grads = []
+    for f in (tf.function(fn), tfmem.function(fn)):
+        with tf.GradientTape() as tape:
+            tape.watch(y)
+            out = f(x, y)
+            loss = tf.reduce_sum(tf.sin(out["rows"] if structure == "dict" else out[0]))
+        grads.append(tape.gradient(loss, y))
+    np.testing.assert_allclose(grads[1].numpy(), grads[0].numpy(), rtol=1e-10)
+
+
 def test_called_inside_another_tf_function(rng: np.random.Generator) -> None:
     x = tf.constant(rng.normal(size=(4, 3)))
     wrapped = tfmem.function(_elementwise, config=NO_PASSES)
