@@ -121,3 +121,15 @@ def test_planning_again_for_another_budget_reuses_the_cleaned_up_graph(kernel_in
     again = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs).rewrite(tfmem.Config(memory_budget="8MiB"))
     assert again.graph.op_counts() == tight.graph.op_counts()
     assert again.memory.peak_bytes == tight.memory.peak_bytes
+
+
+def test_a_threshold_that_misses_the_budget_gives_way_to_the_budget() -> None:
+    from benchmarks.cases import sgpr_loss_and_gradients
+
+    traced = tfmem.TfmemFunction(sgpr_loss_and_gradients(10_000, 300)).trace()
+    both = traced.rewrite(tfmem.Config(tensor_size_threshold="1MB", memory_budget="6MiB"))
+    (gave_way,) = [r for r in both.records if "planned by the memory budget alone" in r.reason]
+    assert gave_way.details["budget_peak_bytes"] < gave_way.details["threshold_peak_bytes"]
+    alone = traced.rewrite(tfmem.Config(memory_budget="6MiB"))
+    assert both.memory.peak_bytes == alone.memory.peak_bytes
+    assert both.graph.op_counts() == alone.graph.op_counts()
