@@ -619,7 +619,8 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in [
 # under 128 MiB with other trials beside it, until `Budget.xla_overshoot` stopped taking
 # the allocator's largest region for as large as its peak (see corpus/README.md).
 CI_PROGRAMS: tuple[str, ...] = (
-    "sgpr_se_grad", "sgpr_matern32_grad", "svgp_matern12_grad", "sgpr_predict_mean_var",
+    "sgpr_se_grad", "sgpr_matern32_grad", "sgpr_rq_grad", "sgpr_arccosine_grad", "svgp_matern12_grad",
+    "sgpr_predict_mean_var",
     "kxx_expanded_matmul", "kxx_naive_matmul", "kxx_outer_tape", "kxy_naive_inner_tape",
     "attention_softmax_grad", "attention_by_hand_grad", "attention_multihead_grad",
     "attention_multihead_by_hand_outer_tape",
