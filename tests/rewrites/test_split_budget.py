@@ -133,3 +133,17 @@ def test_a_threshold_that_misses_the_budget_gives_way_to_the_budget() -> None:
     alone = traced.rewrite(tfmem.Config(memory_budget="6MiB"))
     assert both.memory.peak_bytes == alone.memory.peak_bytes
     assert both.graph.op_counts() == alone.graph.op_counts()
+
+
+def test_a_re_plan_that_comes_out_worse_under_xla_is_not_kept(kernel_inputs, monkeypatch) -> None:
+    from tfmem import stages
+    from tfmem.memory import XlaPlan
+
+    budget = 8 * 2**20
+    plans = iter([2 * budget, 5 * budget, 4 * budget])  # the first is over, each re-plan is worse
+    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 2))
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), kernel_inputs, {})
+    assert kept.checked_plan.total_bytes == 2 * budget  # the first plan, the least over
+    assert any("came out worse" in r.reason for r in kept.rewritten.records)
+    np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
