@@ -40,19 +40,19 @@ def _ordered(graph: Graph, name: str) -> bool:
             or any(value.HasField("func") or len(value.list.func) for value in node.attr.values()))
 
 
-def _feeds_ordered(graph: Graph) -> dict[str, bool]:
+def _feeds_ordered(graph: Graph, ordered: dict[str, bool]) -> dict[str, bool]:
     """Node → whether an ordered node is reachable from it (itself included), by data or control."""
     reaches: dict[str, bool] = {}
     for name in reversed(graph.topological_order()):
-        reaches[name] = _ordered(graph, name) or any(reaches[c] for c in graph.node_consumers(name))
+        reaches[name] = ordered[name] or any(reaches[c] for c in graph.node_consumers(name))
     return reaches
 
 
-def _waits_on_ordered(graph: Graph) -> dict[str, bool]:
+def _waits_on_ordered(graph: Graph, ordered: dict[str, bool]) -> dict[str, bool]:
     """Node → whether it is ordered or waits, through control edges alone, on an ordered node."""
     waits: dict[str, bool] = {}
     for name in graph.topological_order():
-        waits[name] = _ordered(graph, name) or any(waits[p] for p in graph.control_inputs(name))
+        waits[name] = ordered[name] or any(waits[p] for p in graph.control_inputs(name))
     return waits
 
 
@@ -63,7 +63,8 @@ class DropOrderOnlyControlEdges(GraphPass):
     stage = "cleanup"
 
     def run(self, graph: Graph, config: Config) -> PassResult:
-        reaches, waits = _feeds_ordered(graph), _waits_on_ordered(graph)
+        ordered = {name: _ordered(graph, name) for name in graph.topological_order()}
+        reaches, waits = _feeds_ordered(graph, ordered), _waits_on_ordered(graph, ordered)
         dropped = [(node.name, producer) for node in graph.nodes if not reaches[node.name]
                    for producer in graph.control_inputs(node.name) if not waits[producer]]
         for name, producer in dropped:

@@ -111,12 +111,15 @@ class PassError(RuntimeError):
 
 @dataclasses.dataclass
 class PipelineResult:
-    """The PassManager's output: final graph, all records, seconds per pass, rounds run."""
+    """The PassManager's output: final graph, all records, seconds per pass, rounds run,
+    and the budget-free prefix it started from."""
 
     graph: Graph
     records: list[RewriteRecord]
     seconds: dict[str, float]
     iterations: int
+    # The budget-free part it started from (`PassManager.run_prefix`), for reuse.
+    prefix: PipelineResult | None = None
 
     @property
     def modified(self) -> bool:
@@ -157,13 +160,14 @@ class PassManager:
                 prefix = self.run_prefix(graph, config)
             first = self._first_budget_pass()
             if first == len(self.passes):
-                return prefix
-            rest = self._fixed_point(prefix.graph.copy(), config, self.passes, skip_first_round=first)
+                rest = PipelineResult(prefix.graph.copy(), [], {}, 0)  # the prefix is shared: a copy
+            else:
+                rest = self._fixed_point(prefix.graph.copy(), config, self.passes, skip_first_round=first)
             # Time is what this run spent: a reused prefix cost nothing here.
-            seconds = {name: rest.seconds[name] + (0.0 if reused else prefix.seconds.get(name, 0.0))
-                       for name in rest.seconds}
+            seconds = {p.name: rest.seconds.get(p.name, 0.0) + (0.0 if reused else prefix.seconds.get(p.name, 0.0))
+                       for p in self.passes}
             return PipelineResult(rest.graph, _unique(prefix.records + rest.records), seconds,
-                                  prefix.iterations + rest.iterations)
+                                  prefix.iterations + rest.iterations, prefix=prefix)
 
     def run_prefix(self, graph: Graph, config: Config) -> PipelineResult:
         """The passes before the first that reads the budget (`GraphPass.reads_budget`), run

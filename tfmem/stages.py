@@ -94,18 +94,12 @@ class Traced:
         # The registered pipeline is made anew from the config; given passes are the same objects.
         key = (tuple(passes) if passes is not None else "registered", _without_budget(config), lint)
         passes = list(passes) if passes is not None else default_pipeline(config)
-        manager = PassManager(passes, lint=lint)
-        fresh = key not in self._prefixes
-        if fresh:
-            self._prefixes[key] = manager.run_prefix(self.graph, config)
-        prefix = self._prefixes[key]
-        result = manager.run(self.graph, config, prefix=prefix)
-        pass_seconds = {name: t + (prefix.seconds.get(name, 0.0) if fresh else 0.0)
-                        for name, t in result.seconds.items()}
+        result = PassManager(passes, lint=lint).run(self.graph, config, prefix=self._prefixes.get(key))
+        self._prefixes.setdefault(key, result.prefix)
         with collector_paused():
             memory = estimate_memory(result.graph)
         return Rewritten(traced=self, config=config, budget=budget, graph=result.graph,
-                         records=tuple(result.records), pass_seconds=pass_seconds,
+                         records=tuple(result.records), pass_seconds=dict(result.seconds),
                          memory=memory, seconds=time.perf_counter() - start)
 
 

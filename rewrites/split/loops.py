@@ -116,11 +116,10 @@ class _Combiner:
         kind, (out, *_) = self.kind, self.specs
         if kind in ("sum", "mean"):
             return [filled(out, 0)]
-        if kind in ("max", "min", "prod", "all", "any"):
-            # Only this kind's identity: a bool has no lowest value, an int no infinity.
-            identity = {"max": lambda: _lowest(out.dtype), "min": lambda: _highest(out.dtype),
-                        "prod": lambda: 1, "all": lambda: True, "any": lambda: False}[kind]
-            return [filled(out, identity())]
+        if kind in ("max", "min"):
+            return [filled(out, _lowest(out.dtype) if kind == "max" else _highest(out.dtype))]
+        if kind in ("prod", "all", "any"):  # (a bool has no lowest value: only max/min ask for one)
+            return [filled(out, {"prod": 1, "all": True, "any": False}[kind])]
         if kind in ("argmax", "argmin"):
             extreme = _lowest if kind == "argmax" else _highest
             values = tf.TensorSpec(out.shape, self.source_dtype)
