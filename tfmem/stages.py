@@ -34,7 +34,7 @@ from typing import Any
 
 from tfmem.budget import Budget, allocator_peak, resolve_budget
 from tfmem.capture import CapturedFunction, import_as_function
-from tfmem.config import Config
+from tfmem.config import Config, format_size
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
@@ -198,7 +198,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     can be larger: copies in loops, fusion choices, its own schedule. When XLA plans more
     than `Budget.xla_bytes`, or a block too large to find room beside the rest
     (`Budget.xla_overshoot`), the passes run again to a plan scaled down by the overshoot,
-    up to `_REPLANS` times. This compiles the program once more than running it does.
+    up to `_REPLANS` times; not when the static plan already missed its own target (a
+    tighter one meets the same wall). This compiles the program once more than running it does.
     """
     rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget)
     compiled = rewritten.compile(input_signature=input_signature, name=name)
@@ -207,6 +208,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         return compiled
     check_seconds = 0.0
     best: Compiled | None = None  # a re-plan can come out worse (more loops, more held): keep the best
+    stopped: RewriteRecord | None = None
     for attempt in range(_REPLANS + 1):
         start = time.perf_counter()
         planned = compiled.xla_plan(*args, **kwargs)
@@ -220,6 +222,16 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             best = compiled
         if overshoot <= 1 or attempt == _REPLANS:
             break
+        if any(r.status == "rejected" and r.kind == "budget" for r in rewritten.records):
+            # The static plan already missed its own target with nothing left to split or
+            # shrink: a tighter target meets the same wall, after another XLA compile
+            # (SGPR M=20,000 at 32 GiB: 5 min of compile for a plan that came out worse).
+            stopped = RewriteRecord(
+                "compile_within_budget", "XlaPlan", "info", kind="budget",
+                reason=f"XLA plans {format_size(planned.total_bytes)}, over its share {format_size(budget.xla_bytes)}; "
+                       "not planning again: the static plan is over its target already, with nothing left "
+                       "that splitting or smaller chunks would lower")
+            break
         plan = int(rewritten.config.memory_budget / overshoot * _REPLAN_MARGIN)
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="budget", details={
             "xla_planned_bytes": planned.total_bytes, "xla_share_bytes": budget.xla_bytes,
@@ -231,7 +243,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
                                         seconds=rewritten.seconds + again.seconds)
         compiled = rewritten.compile(input_signature=input_signature, name=name)
     assert best is not None and best.xla_overshoot is not None
-    records = best.rewritten.records
+    records = best.rewritten.records + ((stopped,) if stopped is not None else ())
     if best is not compiled:
         records = (*records, RewriteRecord(
             "compile_within_budget", "XlaPlan", "info", kind="budget",

@@ -147,3 +147,19 @@ def test_a_re_plan_that_comes_out_worse_under_xla_is_not_kept(kernel_inputs, mon
     assert kept.checked_plan.total_bytes == 2 * budget  # the first plan, the least over
     assert any("came out worse" in r.reason for r in kept.rewritten.records)
     np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
+def test_no_re_plan_when_the_static_plan_already_misses_its_target(kernel_inputs, monkeypatch) -> None:
+    from tfmem import stages
+    from tfmem.memory import XlaPlan
+
+    budget = 64 * 2**10  # under the inputs alone: nothing split or shrunk reaches it
+    checked = []
+    monkeypatch.setattr(stages.Compiled, "xla_plan",
+                        lambda self, *a, **k: checked.append(self) or XlaPlan(4 * budget, budget))
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), kernel_inputs, {})
+    assert len(checked) == 1  # one XLA compile, not 1 + _REPLANS
+    assert any(r.rule == "MemoryBudget" and r.status == "rejected" for r in kept.rewritten.records)
+    assert any("not planning again" in r.reason for r in kept.rewritten.records)
+    np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
