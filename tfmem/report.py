@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from tfmem.budget import Budget
@@ -23,6 +23,11 @@ from tfmem.memory import MemoryEstimate
 from tfmem.passes import RewriteRecord
 
 Status = Literal["rewritten", "unchanged", "fallback"]
+
+
+def over_budget(records: Iterable[RewriteRecord]) -> RewriteRecord | None:
+    """The split stage's record of why the static plan misses the budget, if it does."""
+    return next((r for r in records if r.status == "rejected" and r.kind == "budget"), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +106,7 @@ class Report:
     @property
     def over_budget(self) -> RewriteRecord | None:
         """The split stage's account of why the budget is not met, if it is not."""
-        return next((r for r in self.rejected if r.kind == "budget"), None)
+        return over_budget(self.records)
 
     @property
     def where(self) -> str:

@@ -38,7 +38,7 @@ from tfmem.config import Config, format_size
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import Report, Status
+from tfmem.report import Report, Status, over_budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +222,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             best = compiled
         if overshoot <= 1 or attempt == _REPLANS:
             break
-        if any(r.status == "rejected" and r.kind == "budget" for r in rewritten.records):
+        if over_budget(rewritten.records) is not None:
             # The static plan already missed its own target with nothing left to split or
             # shrink: a tighter target meets the same wall, after another XLA compile
             # (SGPR M=20,000 at 32 GiB: 5 min of compile for a plan that came out worse).

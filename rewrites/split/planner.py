@@ -401,18 +401,21 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) 
         written = sum(graph.nbytes(r) or 0 for r in write_outs if r not in oversized_out)
         avoided = [graph.nbytes(r) or 0 for r in region.axes if r.node in region.nodes
                    and r.node not in region.sinks and r not in write_outs]
+        total, largest = sum(avoided), max(avoided, default=0)
         # Each trip also computes a partial result of every sink's full output size (a
         # contraction's product, a reduction's partial sum) to add into its accumulator:
         # a loop whose partials are as large as the largest tensor it avoids saves nothing
         # (SGPR's [M, M] Cholesky-gradient chains split along their inner dimension did that).
         partials = sum(graph.nbytes(TensorRef(sink, i)) or 0 for sink in region.sinks
                        for i in range(len(graph.output_specs(sink))))
-        if written + partials >= sum(avoided) or (partials and partials >= max(avoided, default=0)):
-            held = " and ".join(part for part in (
-                written and f"write {format_size(written)} back out whole",
-                partials and f"compute {format_size(partials)} of partial results per chunk") if part)
-            reasons.append(f"axis {axis}: its loop would {held}, and avoid only {format_size(sum(avoided))} "
-                           f"(the largest {format_size(max(avoided, default=0))})" if held
+        if written + partials >= total or partials >= largest:
+            held = []
+            if written:
+                held.append(f"write {format_size(written)} back out whole")
+            if partials:
+                held.append(f"compute {format_size(partials)} of partial results per chunk")
+            reasons.append(f"axis {axis}: its loop would {' and '.join(held)}, and avoid only {format_size(total)} "
+                           f"(the largest {format_size(largest)})" if held
                            else f"axis {axis}: its loop would avoid nothing")
             continue
         eliminated = sum(1 for r in region.axes if r.node in region.nodes and r not in oversized_out
