@@ -12,6 +12,10 @@ process and report the largest relative error.
     sgpr_stock         the same with stock XLA at M=300 (expected: out of memory)
     sgpr_equal         M=200, tfmem vs stock XLA
     sgpr_zero_config   M=2800 with no tfmem config at all, under the same 1 GiB limit
+    sgpr_threshold     M=2800 with tensor_size_threshold=100MB only: the device's 1 GiB still bounds it
+    sgpr_threshold_matern32  the same with a Matern32 kernel
+    sgpr_threshold_off M=2800, tensor_size_threshold=100MB and memory_budget: off (the paper's
+                       per-tensor semantics: expected out of memory, as every threshold was before)
     kernel             exp(-½(‖x‖²+‖x‖²ᵀ−2·X·Xᵀ)) @ V, n=20,000, float64, 512 MiB (GPflow's form, K(X, X))
     kernel_stock       the same, stock XLA
     attention          softmax(Q·Kᵀ/√d)·V, s=16,384, d=64, float32, gradients w.r.t. Q, K, V, 1 GiB
@@ -37,7 +41,7 @@ flags.DEFINE_integer("timeout", 3600, "Seconds per trial.")
 # --- the programs ---------------------------------------------------------------------------
 
 
-def sgpr_step(n: int, m: int) -> Any:
+def sgpr_step(n: int, m: int, kernel: str = "SquaredExponential") -> Any:
     """GPflow SGPR's loss and gradients on synthetic 3-d data (the tape inside)."""
     import gpflow
     import tensorflow as tf
@@ -45,7 +49,7 @@ def sgpr_step(n: int, m: int) -> Any:
     rng = np.random.default_rng(0)
     x = rng.uniform(-3, 3, size=(n, 3))
     y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
-    model = gpflow.models.SGPR((x, y), gpflow.kernels.SquaredExponential(lengthscales=[1.0] * 3),
+    model = gpflow.models.SGPR((x, y), getattr(gpflow.kernels, kernel)(lengthscales=[1.0] * 3),
                                inducing_variable=x[rng.choice(n, m, replace=False)].copy())
 
     def step():
@@ -93,17 +97,21 @@ def attention(s: int, d: int = 64) -> Any:
 PROGRAMS = {"sgpr": sgpr_step, "kernel": kernel, "attention": attention}
 
 
-def run(program: str, size: Any, method: str, budget: str | None) -> dict[str, Any]:
-    """Builds `program` at `size` and calls it once with `method`; returns the result and report."""
+def run(program: str, size: Any, method: str, budget: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Builds `program` at `size` and calls it once with `method`; returns the result and report.
+
+    `budget`: tfmem's `memory_budget`, or a whole config mapping (None: no config at all).
+    """
     import tensorflow as tf
 
     import tfmem
 
-    fn, args = PROGRAMS[program](*np.atleast_1d(size).tolist())
+    fn, args = PROGRAMS[program](*(size if isinstance(size, (tuple, list)) else [size]))
     if method == "xla":
         runner = tf.function(fn, jit_compile=True)
     elif method == "tfmem":
-        runner = tfmem.function(fn, config=None if budget is None else tfmem.Config(memory_budget=budget))
+        config = {"memory_budget": budget} if isinstance(budget, str) else budget
+        runner = tfmem.function(fn, config=None if config is None else tfmem.Config.from_mapping(config))
     else:
         raise ValueError(method)
     start = time.perf_counter()
@@ -134,6 +142,11 @@ CHECKS: dict[str, tuple[str, tuple[Any, ...], int | None]] = {
     "sgpr_stock": ("run", ("sgpr", (100_000, 300), "xla", None), 1024),
     "sgpr_equal": ("equal", ("sgpr", (100_000, 200), "1GiB"), None),
     "sgpr_zero_config": ("run", ("sgpr", (100_000, 2800), "tfmem", None), 1024),
+    "sgpr_threshold": ("run", ("sgpr", (100_000, 2800), "tfmem", {"tensor_size_threshold": "100MB"}), 1024),
+    "sgpr_threshold_matern32": ("run", ("sgpr", (100_000, 2800, "Matern32"), "tfmem",
+                                        {"tensor_size_threshold": "100MB"}), 1024),
+    "sgpr_threshold_off": ("run", ("sgpr", (100_000, 2800), "tfmem",
+                                   {"tensor_size_threshold": "100MB", "memory_budget": "off"}), 1024),
     "kernel": ("run", ("kernel", 20_000, "tfmem", "512MiB"), 512),
     "kernel_stock": ("run", ("kernel", 20_000, "xla", None), 512),
     "attention": ("run", ("attention", 16_384, "tfmem", "1GiB"), 1024),

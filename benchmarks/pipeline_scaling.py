@@ -55,7 +55,7 @@ def measure(n: int, m: int, budget: str, xla_check: bool = True) -> dict[str, An
         report = wrapped.report() if xla_check else wrapped.trace().rewrite(wrapped.config).report
     return {"m": m, "pipeline_s": report.pipeline_seconds, "report_wall_s": time.perf_counter() - start,
             "xla_check_s": report.xla_check_seconds if xla_check else None,
-            "replans": sum(1 for r in report.records if r.rule == "XlaPlan" and "next_budget_bytes" in r.details),
+            "replans": sum(1 for r in report.records if r.rule == "XlaPlan" and "next_target_bytes" in r.details),
             "pass_s": dict(report.pass_seconds), "summary": report.summary()}
 
 

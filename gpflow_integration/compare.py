@@ -372,7 +372,7 @@ def _notes(trials: list[Trial], config: Any) -> list[str]:
     if any(t.method == "tfmem" for t in trials):
         if "split" not in config.passes:
             notes.append("the tfmem config leaves out the 'split' stage, so tfmem does not split tensors.")
-        elif config.memory_budget is None and config.tensor_size_threshold is None:
+        elif config.memory_budget is None:
             notes.append("tfmem's memory budget is each trial's allocator limit (the config sets none).")
     tfmem_runs = [t for t in trials if t.method == "tfmem" and t.value]
     for t in tfmem_runs:

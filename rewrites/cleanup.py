@@ -9,7 +9,7 @@ Patterns downstream then see `f(x)` directly instead of `f(Identity(x))`.
 """
 from __future__ import annotations
 
-from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
@@ -19,8 +19,9 @@ class ForwardIdentities(GraphPass):
 
     name = "forward_identities"
     stage = "cleanup"
+    reads = frozenset()  # no config key: the graph alone decides
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         forwarded = 0
         for node in list(graph.find("Identity")):
             ref = TensorRef(node.name)

@@ -41,6 +41,8 @@ class ComposeTransposes(RewriteRule):
         ['[ComposeTransposes] ComposeTransposes fired at transpose_1']
     """
 
+    reads = frozenset()  # no config key: the graph alone decides
+
     def __init__(self) -> None:
         super().__init__("ComposeTransposes", transpose_pair, replacement=composed_transpose)
 

@@ -12,7 +12,7 @@ Conditions: the node is a `Const` (stateless, no data inputs); it keeps its data
 """
 from __future__ import annotations
 
-from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
@@ -22,8 +22,9 @@ class DetachConstants(GraphPass):
 
     name = "detach_constants"
     stage = "cleanup"
+    reads = frozenset()  # no config key: the graph alone decides
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         detached = [(node.name, producer) for node in graph.find("Const")
                     for producer in graph.control_inputs(node.name)]
         for name, producer in detached:

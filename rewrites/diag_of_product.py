@@ -150,6 +150,7 @@ class ContractDiagOfProduct(RegionRule[DiagRegion]):
     name = "contract_diag_of_product"
     rule = "ContractDiagOfProduct"
     stage = "reorder"
+    reads = frozenset()  # no config key: the graph alone decides
 
     def find(self, graph: Graph) -> Iterator[DiagRegion]:
         for node in live_nodes(graph, DIAG_OPS):

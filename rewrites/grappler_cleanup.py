@@ -8,7 +8,7 @@
 Grappler (constfold, arithmetic, dependency, pruning; one meta-optimizer round) runs on
 a MetaGraphDef built around the GraphDef, with the function's outputs, placeholders
 and kept nodes (variable writes) named as fetches so it preserves them. Its output has
-no `_output_shapes`, so static shapes are recomputed (`Graph.infer_shapes`, seeded with
+no `_output_shapes`, so static shapes are recomputed (`grappler_shapes.infer_shapes`, seeded with
 the shapes the original graph had for the nodes Grappler left in place — a variable
 read's shape is only known from there). Grappler leaves reshapes whose shape tensor is
 computed but statically known, and casts to the same type; the no-op folds above
@@ -30,12 +30,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
-from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule, RuleSet
 
+from rewrites.grappler_shapes import constant_like, infer_shapes, placeholder_like
 from rewrites.splats import LARGE_TENSOR_BYTES
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) 
     optimized.versions.CopyFrom(graph.versions)
     cleaned = Graph(optimized, outputs=graph.outputs, keep=graph.keep)
     shielded.restore(cleaned)
-    cleaned.infer_shapes()
+    infer_shapes(cleaned)
     problems = cleaned.lint()
     if problems:
         raise GraphError(f"Grappler's graph is not usable: {problems[0]}")
@@ -150,7 +151,7 @@ def _shield_large_constants(graph: Graph) -> _Shielded:
         if shape.is_fully_defined():
             dtype = node.attr["out_type"].type if "out_type" in node.attr else tf.int32.as_datatype_enum
             value = np.asarray(_SHAPE_QUERIES[node.op](shape.as_list()), tf.as_dtype(dtype).as_numpy_dtype)
-            shielded.replace_with_constant(node.name, value)
+            shielded.replace_node(constant_like(shielded, node.name, value))
     computable: set[str] = set()  # nodes whose value depends on no input, variable or effect
     hidden: list[str] = []
     relaxed: list[str] = []
@@ -166,7 +167,7 @@ def _shield_large_constants(graph: Graph) -> _Shielded:
             computable.add(node.name)
             hidden += [node.name] if large and node.op != "Const" else []
     for name in hidden + relaxed:
-        shielded.replace_node(shielded.placeholder_like(name, unknown_dims=True))
+        shielded.replace_node(placeholder_like(shielded, name, unknown_dims=True))
     return _Shielded(shielded, graph, tuple(hidden), tuple(relaxed))
 
 
@@ -220,12 +221,13 @@ class GrapplerCleanup(GraphPass):
 
     name = "grappler_cleanup"
     stage = "cleanup"
+    reads = frozenset()  # no config key: the graph alone decides
 
     def __init__(self, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) -> None:
         self.optimizers = tuple(optimizers)
         self._done: set[int] = set()
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         records: list[RewriteRecord] = []
         before = len(graph)
         modified = False
@@ -246,7 +248,7 @@ class GrapplerCleanup(GraphPass):
                                                           "nodes_after": len(cleaned)},
                                                  kind="cleanup"))
                 graph = cleaned
-        folds = RuleSet(no_op_folds(), name=self.name).run(graph, config)
+        folds = RuleSet(no_op_folds(), name=self.name).run(graph, context)
         records.extend(r for r in folds.records if r.status == "fired")
         graph = folds.graph
         self._done.add(hash(graph.to_graph_def().SerializeToString(deterministic=True)))

@@ -51,6 +51,7 @@ from rewrites._chain_algebra import (PRODUCT_FLAGS, ChainCost, ChainPlanner, Mat
                                      emit_tree, extract_chain, factor_shapes, rewritable_shapes, splice_factors,
                                      subtrees, swaps_last_two)
 from tfmem.config import Config, format_size
+from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.memory import estimate_memory
 from tfmem.passes import PassResult, RewriteRecord
@@ -113,10 +114,11 @@ class ReorderMatMulChain(RegionRule[ChainRegion]):
     name = "reorder_matmul_chain"
     rule = "ReorderMatMulChain"
     stage = "reorder"
+    reads = frozenset()  # no config key: the graph alone decides
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         crossed: set[str] = set()  # shared products that stand in the way of a better order
-        result = self.rewrite(graph, config, self._chains(graph, crossed))
+        result = self.rewrite(graph, context.config, self._chains(graph, crossed))
         graph = result.graph
         records = {r.nodes[0]: r for r in result.records}  # by chain root: a later verdict replaces one
         for shared in sorted(crossed):

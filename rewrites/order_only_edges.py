@@ -21,7 +21,7 @@ Conditions (where ordering can matter, the edge stays):
 """
 from __future__ import annotations
 
-from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
@@ -61,8 +61,9 @@ class DropOrderOnlyControlEdges(GraphPass):
 
     name = "drop_order_only_control_edges"
     stage = "cleanup"
+    reads = frozenset()  # no config key: the graph alone decides
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         ordered = {name: _ordered(graph, name) for name in graph.topological_order()}
         reaches, waits = _feeds_ordered(graph, ordered), _waits_on_ordered(graph, ordered)
         dropped = [(node.name, producer) for node in graph.nodes if not reaches[node.name]

@@ -81,13 +81,14 @@ class ScaleByDiagonal(RegionRule[DiagonalMatrixRegion]):
     Example:
         >>> f = tfmem.TfmemFunction(lambda d, x: tf.linalg.diag(d) @ x,
         ...                         passes=[ScaleByDiagonal()])
-        >>> tfmem.Graph(f.rewritten_graph_def(d, x)).op_counts().get("MatrixDiagV3", 0)
+        >>> tfmem.Graph(f.report(d, x).rewritten_graph_def).op_counts().get("MatrixDiagV3", 0)
         0
     """
 
     name = "scale_by_diagonal"
     rule = "ScaleByDiagonal"
     stage = "reorder"
+    reads = frozenset()  # no config key: the graph alone decides
 
     def find(self, graph: Graph) -> Iterator[DiagonalMatrixRegion]:
         for node in live_nodes(graph, DIAG_MATRIX_OPS):

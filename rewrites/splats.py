@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2
 
-from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
@@ -73,8 +73,9 @@ class CanonicalizeSplats(GraphPass):
 
     name = "canonicalize_splats"
     stage = "cleanup"
+    reads = frozenset()  # no config key: the graph alone decides
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         records = []
         for node in list(graph.nodes):
             if node.op == "Fill" or node.name not in graph:

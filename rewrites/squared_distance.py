@@ -194,7 +194,7 @@ def pairwise_difference(op: OpBuilder, rows: PatternNode, cols: PatternNode) -> 
     return op.any_of(op.Sub(rows, cols), op.Sub(cols, rows), op.SquaredDifference(rows, cols))
 
 
-class ExpandSquaredDistance(RegionRule["_Region"]):
+class ExpandSquaredDistance(RegionRule["_DistanceRegion"]):
     """Rewrites naive pairwise squared distances (and their gradients) to the expanded form.
 
     Example:
@@ -207,7 +207,7 @@ class ExpandSquaredDistance(RegionRule["_Region"]):
         ...     return loss, tape.gradient(loss, x)
         >>> cf = f.get_concrete_function(tf.TensorSpec([300, 16]), tf.TensorSpec([200, 16]))
         >>> graph = capture(cf).to_graph()
-        >>> result = ExpandSquaredDistance().run(graph, Config())
+        >>> result = ExpandSquaredDistance().run(graph, PassContext(Config()))
         >>> [(r.status, r.details["exits"]) for r in result.records]   # Σ_d forward, Σ_j for dx
         [('fired', 2)]
         >>> "MatMul" in result.graph.op_counts()
@@ -217,26 +217,27 @@ class ExpandSquaredDistance(RegionRule["_Region"]):
     name = "ExpandSquaredDistance"
     rule = "ExpandSquaredDistance"
     stage = "match_and_replace"
+    reads = frozenset({"jit_compile"})  # XLA fuses the naive form itself
 
     def __init__(self) -> None:
         self.pattern = Pattern(pairwise_difference, where={"rows": _rows_spec, "cols": _cols_spec})
 
-    def find(self, graph: Graph) -> list[_Region]:
+    def find(self, graph: Graph) -> list[_DistanceRegion]:
         # The pattern is only the seed: each region grows from one pairwise difference.
         # Seeds are all taken before anything is rewritten.
-        return [_Region(graph, match) for match in self.pattern.matches(graph)]
+        return [_DistanceRegion(graph, match) for match in self.pattern.matches(graph)]
 
-    def check(self, graph: Graph, region: _Region, config: Config) -> str | None:
+    def check(self, graph: Graph, region: _DistanceRegion, config: Config) -> str | None:
         return region.analyse() or (region.fused_by_xla() if config.jit_compile else None)
 
-    def emit(self, graph: Graph, region: _Region) -> Emitted:
+    def emit(self, graph: Graph, region: _DistanceRegion) -> Emitted:
         for old, new in region.replace().items():
             graph.replace_all_uses(old, new)
         return Emitted({"pairwise_shape": list(region.shape), "removed_nodes": len(region.inner),
                         "exits": len(region.exits)})
 
 
-class _Region:
+class _DistanceRegion:
     """The [..., n, m, d] tensors computed from one pairwise difference, in closed form."""
 
     # op type → transfer function name; the table, not an if-chain, says what is supported

@@ -32,6 +32,7 @@ _EXPORTS = {
     **dict.fromkeys(["GraphPass", "PassError", "PassManager", "PassResult", "PipelineResult", "RewriteRecord",
                      "register_pipeline"], "passes"),
     **dict.fromkeys(["Match", "Pattern", "RewriteRule", "RuleSet"], "pattern"),
+    "PassContext": "context",
     "Report": "report",
     **dict.fromkeys(["TfmemFunction", "explain", "function"], "wrapper"),
 }

@@ -3,9 +3,10 @@
 A budget is a promise about the *real* peak: a program tfmem reports as fitting runs
 within it. It comes from, in order:
 
-1. `Config.memory_budget`, when set;
-2. nothing, when `tensor_size_threshold` is set (the expert mode: split by threshold only);
-3. the device the function runs on, when the split stage is on:
+1. `Config.memory_budget`, when set; none at all when it is "off" (the opt-out: split by
+   `tensor_size_threshold` only, the paper's per-tensor semantics);
+2. the device the function runs on, when the split stage is on (a threshold does not
+   lift it: thresholds only add splits and set their granularity):
    - a GPU: the memory TensorFlow's allocator may use on it (its logical device's
      `memory_limit`, as `device_lib` reports it) times `GPU_SAFETY_FRACTION`, which leaves
      room for what runs outside that allocator's accounting (cuBLAS/cuDNN workspaces,
@@ -39,9 +40,10 @@ GPU_SAFETY_FRACTION = 0.9
 # Share of the CPU allocator's room a device-derived budget offers one program (see
 # `device_budget` for what the room is: the allocator never gives memory back).
 CPU_SAFETY_FRACTION = 0.9
-# Share of any budget the static estimate may fill. The estimate counts live tensors; the
-# real peak adds what it cannot see: allocator fragmentation and rounding, XLA's own
-# scratch, small runtime buffers. Calibrated on the corpus (benchmarks/corpus).
+# Share of any budget the static estimate may fill (`Budget.plan_bytes`, the one place
+# it is applied). The estimate counts live tensors; the real peak adds what it cannot
+# see: allocator fragmentation and rounding, XLA's own scratch, small runtime buffers.
+# Calibrated on the corpus (benchmarks/corpus).
 PLANNING_FRACTION = 0.9
 # Share of a budget XLA's own plan for the compiled program may take ("Total bytes used":
 # its one block of temporaries, constants, parameters and outputs). The rest is for what
@@ -96,8 +98,38 @@ class Budget:
         room = max(largest_region, self.xla_bytes - REGION_SLACK * max(held_peak, total_bytes - largest_bytes))
         return max(total_bytes / self.xla_bytes, largest_bytes / max(room, 1))
 
+    @property
+    def origin(self) -> str:
+        """Where the bound came from, in a few words: "memory_budget" (the config), or the
+        device's limit it was derived from (e.g. "90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=1024")."""
+        return "memory_budget" if self.source == "config" else self.source.split(",")[0]
+
     def __str__(self) -> str:
         return f"{format_size(self.nbytes)} ({self.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanVerdict:
+    """Whether the static estimate of a rewritten program reaches its target
+    (`PassContext.target_bytes`): the split pass's verdict, in its `PassResult`.
+
+    Attributes:
+        fits: the estimated peak is at most the target.
+        peak_bytes: the estimated peak after the pass.
+        target_bytes: what it had to reach.
+        node: the node at the peak.
+        reason: when it does not fit, why: the tensor, op and bytes that keep the peak.
+        threshold_dropped: when splitting by `tensor_size_threshold` could not meet the
+            target and the plan by the budget alone came out lower, why (naming both
+            numbers): the threshold was not honoured, the bound was.
+    """
+
+    fits: bool
+    peak_bytes: int
+    target_bytes: int
+    node: str = ""
+    reason: str = ""
+    threshold_dropped: str = ""
 
 
 def resolve_budget(config: Config, device: str | None = None, *, sharing: int = 1,
@@ -109,9 +141,11 @@ def resolve_budget(config: Config, device: str | None = None, *, sharing: int = 
     `sharing`: how many replicas (of a `tf.distribute` strategy) share the device's
     allocator; the config's budget is per replica already.
     """
+    if config.budget_off:
+        return None
     if config.memory_budget is not None:
         return Budget(config.memory_budget, "config")
-    if config.tensor_size_threshold is not None or "split" not in config.passes:
+    if "split" not in config.passes:
         return None
     return device_budget(device, sharing=sharing, environ=environ, gpu_limits=gpu_limits, in_use=in_use)
 

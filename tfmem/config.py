@@ -232,6 +232,18 @@ def _parse_bool(value: Any, *, key: str) -> bool:
     raise ValueError(f"{key}: expected true or false, got {value!r}")
 
 
+# `memory_budget: off`: no bound at all, not even the device's (the paper's per-tensor
+# semantics, for those who want them). YAML reads a bare `off` as false.
+BUDGET_OFF = "off"
+
+
+def _parse_budget(value: Any, *, key: str) -> int | str | None:
+    """A size, None (the device's), or `BUDGET_OFF` for "off" / false."""
+    if value is False or isinstance(value, str) and value.strip().lower() in (BUDGET_OFF, "false"):
+        return BUDGET_OFF
+    return parse_size(value, key=key)
+
+
 def _parse_float(value: Any, *, key: str) -> float:
     try:
         number = float(value)
@@ -268,9 +280,11 @@ class Config:
         memory_budget: the one knob: tfmem splits, and sizes chunks, until the whole
             program's estimated peak fits this many bytes. None = the device's (a GPU's
             memory, or the CPU allocator's `TF_CPU_BFC_MEM_LIMIT_IN_MB`; see `tfmem.budget`),
-            or no budget when the device offers none.
+            or no budget when the device offers none. "off" = no bound at all, not even
+            the device's: only the thresholds split (the paper's per-tensor semantics).
         tensor_size_threshold: expert override: a tensor larger than this (bytes) is split
-            whether or not the budget needs it; None = let the budget decide.
+            whether or not the budget needs it; None = let the budget decide. It adds
+            splits; it never lifts the budget.
         tensor_split_size: expert override: the largest tensor a split loop body may
             hold; None = the threshold, or whatever fits the budget.
         passes: the pipeline stages that run, a subset of `PASS_STAGES`.
@@ -291,7 +305,7 @@ class Config:
 
     tensor_size_threshold: int | None = None
     tensor_split_size: int | None = None
-    memory_budget: int | None = None
+    memory_budget: int | str | None = None  # bytes, None (the device's) or BUDGET_OFF
     passes: tuple[str, ...] = PASS_STAGES
     jit_compile: bool = True
     strict: bool = False
@@ -304,7 +318,7 @@ class Config:
         normalise = {
             "tensor_size_threshold": parse_size,
             "tensor_split_size": parse_size,
-            "memory_budget": parse_size,
+            "memory_budget": _parse_budget,
             "passes": _parse_passes,
             "jit_compile": _parse_bool,
             "strict": _parse_bool,
@@ -315,12 +329,17 @@ class Config:
         for key, parse in normalise.items():
             object.__setattr__(self, key, parse(getattr(self, key), key=key))
         threshold, split = self.tensor_size_threshold, self.tensor_split_size
-        if split is not None and threshold is None and self.memory_budget is None:
+        if split is not None and threshold is None and self.memory_budget in (None, BUDGET_OFF):
             raise ValueError(f"tensor_split_size: set to {split} bytes but neither tensor_size_threshold "
                              "nor memory_budget is set; the split size only applies once one is")
         if split is not None and threshold is not None and split > threshold:
             raise ValueError(f"tensor_split_size: {split} bytes is larger than "
                              f"tensor_size_threshold ({threshold} bytes); it must be <= the threshold")
+
+    @property
+    def budget_off(self) -> bool:
+        """`memory_budget: off`: no bound, not even the device's."""
+        return self.memory_budget == BUDGET_OFF
 
     @property
     def split_size(self) -> int | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ ALIASING_OPS = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squ
                           "StopGradient", "Snapshot", "PreventGradient", "EnsureShape",
                           "CheckNumerics"})
 # Ops that hold state or talk to the outside world: never removed, never duplicated.
-_ALWAYS_KEEP_OPS = frozenset({"Placeholder", "NoOp"})
+ALWAYS_KEEP_OPS = frozenset({"Placeholder", "NoOp"})
 
 
 # TensorFlow unregisters a library function from the eager context, by name, when a
@@ -56,11 +56,10 @@ def keep_functions_alive(scratch: tf.Graph) -> None:
     _SCRATCH_FUNCTIONS.extend(scratch._functions.values())  # noqa: SLF001 - no public accessor
 
 
-_FRAGMENT_INPUT = "tfmem_fragment_input_"
 _STALE_ATTRS = ("_output_shapes", "_class")
 
 
-def _copy_node(original: node_def_pb2.NodeDef, name: str, *, keep_shapes: bool = False) -> node_def_pb2.NodeDef:
+def copy_node(original: node_def_pb2.NodeDef, name: str, *, keep_shapes: bool = False) -> node_def_pb2.NodeDef:
     """A copy named `name`, without the attrs that tie it to its graph (stale shapes,
     colocation with nodes another graph does not have) unless `keep_shapes`."""
     node = node_def_pb2.NodeDef()
@@ -72,36 +71,12 @@ def _copy_node(original: node_def_pb2.NodeDef, name: str, *, keep_shapes: bool =
     return node
 
 
-def _const_node(name: str, value: Any) -> node_def_pb2.NodeDef:
+def const_node(name: str, value: Any) -> node_def_pb2.NodeDef:
     value = np.asarray(value)
     node = node_def_pb2.NodeDef(name=name, op="Const")
     node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
     node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
     return node
-
-
-@dataclasses.dataclass(frozen=True)
-class Fragment:
-    """Nodes cut out of a Graph (`Graph.fragment`), ready to import into another graph.
-
-    Attributes:
-        graph_def: the nodes, reading their outside inputs by feed name.
-        feeds: feed key → its feed name, for the feeds the nodes read.
-    """
-
-    graph_def: graph_pb2.GraphDef
-    feeds: Mapping[Hashable, str]
-
-    def import_into(self, values: Mapping[Hashable, tf.Tensor], returns: Sequence[TensorRef], *,
-                    name: str = "fragment") -> list[tf.Tensor]:
-        """Imports the fragment into the current (default) graph, feeding `values`.
-
-        `values` must hold a tensor for every feed key (extra ones are ignored); returns
-        the tensors named by `returns` (refs into the fragment's nodes).
-        """
-        input_map = {f"{feed}:0": values[key] for key, feed in self.feeds.items()}
-        return tf.graph_util.import_graph_def(self.graph_def, input_map=input_map,
-                                              return_elements=[r.name for r in returns], name=name)
 
 
 class GraphError(ValueError):
@@ -137,6 +112,17 @@ class TensorRef:
     def as_input(self) -> str:
         """The NodeDef input-string form: `"node"` for output 0, `"node:i"` otherwise."""
         return self.node if self.index == 0 else self.name
+
+
+def set_node_inputs(node: node_def_pb2.NodeDef, inputs: Iterable[TensorRef],
+                    control: Iterable[str] = ()) -> node_def_pb2.NodeDef:
+    """Makes a NodeDef outside any Graph (one being built to import elsewhere) read
+    `inputs` and wait on the nodes `control`; returns it. The one writer of input strings
+    for code outside this module."""
+    del node.input[:]
+    node.input.extend(ref.as_input() for ref in inputs)
+    node.input.extend(f"^{name}" for name in control)
+    return node
 
 
 def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:
@@ -224,7 +210,7 @@ class Graph:
         """An independent copy (what is cached about the nodes is shared: it is never edited
         in place, only dropped)."""
         copy = Graph.__new__(Graph)
-        copy._nodes = {name: _copy_node(node, name, keep_shapes=True) for name, node in self._nodes.items()}
+        copy._nodes = {name: copy_node(node, name, keep_shapes=True) for name, node in self._nodes.items()}
         copy.library = function_pb2.FunctionDefLibrary()
         copy.library.CopyFrom(self.library)
         copy.versions = self.versions.__class__()
@@ -468,30 +454,8 @@ class Graph:
     def replace_node(self, node: node_def_pb2.NodeDef) -> None:
         """Puts `node` (copied) in place of the node of the same name; readers stay wired to it."""
         self.node(node.name)  # must exist
-        self._nodes[node.name] = _copy_node(node, node.name, keep_shapes=True)
+        self._nodes[node.name] = copy_node(node, node.name, keep_shapes=True)
         self._changed(node.name)
-
-    def placeholder_like(self, name: str, *, unknown_dims: bool = False) -> node_def_pb2.NodeDef:
-        """A `Placeholder` NodeDef with the name, dtype and shape of node `name`'s one output.
-
-        With `unknown_dims`, every dimension is left unknown (the rank stays): a tool that
-        feeds placeholders with made-up values of their shape (Grappler does) then feeds
-        a tiny tensor instead of a large one.
-        """
-        (spec,) = self.output_specs(name)
-        shape = tf.TensorShape([None] * spec.shape.rank) if unknown_dims else spec.shape
-        node = node_def_pb2.NodeDef(name=name, op="Placeholder")
-        node.attr["dtype"].type = spec.dtype.as_datatype_enum
-        node.attr["shape"].shape.CopyFrom(shape.as_proto())
-        node.attr["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
-        return node
-
-    def replace_with_constant(self, name: str, value: Any) -> None:
-        """Makes node `name` a `Const` holding `value` (same name; control inputs kept)."""
-        const = _const_node(name, value)
-        const.input.extend(f"^{producer}" for producer in self.control_inputs(name))
-        const.attr["_output_shapes"].list.shape.add().CopyFrom(tf.TensorShape(np.shape(value)).as_proto())
-        self.replace_node(const)
 
     def set_input(self, name: str, position: int, tensor: TensorRef) -> None:
         """Points data input `position` of node `name` at `tensor`."""
@@ -510,67 +474,6 @@ class Graph:
         node.input.extend(kept)
         self._changed(name)
         return True
-
-    def infer_shapes(self) -> int:
-        """Recomputes every node's `_output_shapes` by importing the graph into a scratch graph.
-
-        For graphs from tools that drop the attr (e.g. Grappler). A node's existing
-        `_output_shapes` is a hint: it is merged with (refines) what TF infers, and a
-        stateful op with one fully known hinted output (e.g. a `ReadVariableOp`, whose
-        shape TF cannot infer without the variable) stands in as a placeholder of that
-        shape, so its readers get static shapes too. Returns the number of nodes whose
-        shapes changed.
-
-        Example:
-            >>> graph.infer_shapes()   # after copying in a GraphDef without shapes
-            57
-
-        Raises:
-            GraphError: if TensorFlow cannot import the graph.
-        """
-        graph_def = self.to_graph_def()
-        hints: dict[str, list[tf.TensorShape]] = {}
-        for node in graph_def.node:
-            if "_output_shapes" in node.attr:
-                hints[node.name] = [tf.TensorShape(s) for s in node.attr["_output_shapes"].list.shape]
-                del node.attr["_output_shapes"]  # the importer must infer, not trust
-            hint = hints.get(node.name)
-            if node.op == "Placeholder" and "shape" not in node.attr and hint:
-                node.attr["shape"].shape.CopyFrom(hint[0].as_proto())
-            elif (is_stateful(node) and hint and len(hint) == 1 and hint[0].is_fully_defined()
-                  and node.op not in _ALWAYS_KEEP_OPS):
-                dtype = output_dtypes(node, self.library)
-                if len(dtype) == 1 and dtype[0] not in (tf.resource, tf.variant):
-                    stand_in = node_def_pb2.NodeDef(name=node.name, op="Placeholder")
-                    stand_in.attr["dtype"].type = dtype[0].as_datatype_enum
-                    stand_in.attr["shape"].shape.CopyFrom(hint[0].as_proto())
-                    node.CopyFrom(stand_in)
-        try:
-            with tf.Graph().as_default() as scratch:
-                tf.graph_util.import_graph_def(graph_def, name="")
-                keep_functions_alive(scratch)
-        except (ValueError, tf.errors.OpError) as err:
-            raise GraphError(f"cannot infer shapes: {err}") from err
-        changed = 0
-        for op in scratch.get_operations():
-            node = self._nodes.get(op.name)
-            if node is None:
-                continue
-            hint = hints.get(op.name, [])
-            shapes = []
-            for i, tensor in enumerate(op.outputs):
-                shape = tensor.shape
-                if i < len(hint) and shape.is_compatible_with(hint[i]):
-                    shape = shape.merge_with(hint[i])
-                shapes.append(shape.as_proto())
-            old = list(node.attr["_output_shapes"].list.shape) if "_output_shapes" in node.attr else None
-            if old != shapes:
-                attr = node.attr["_output_shapes"]
-                attr.ClearField("list")
-                attr.list.shape.extend(shapes)
-                changed += 1
-        self._specs = {}
-        return changed
 
     def replace_all_uses(self, old: TensorRef | str, new: TensorRef | str) -> int:
         """Makes every reader of `old` (and the graph outputs) read `new`. Returns the count."""
@@ -604,7 +507,7 @@ class Graph:
         """Removes nodes that no output, kept node or stateful op needs. Returns their names."""
         roots = {o.node for o in self.outputs} | (self.keep & self._nodes.keys())
         roots |= {n for n, node in self._nodes.items()
-                  if node.op in _ALWAYS_KEEP_OPS or is_stateful(node)}
+                  if node.op in ALWAYS_KEEP_OPS or is_stateful(node)}
         needed: set[str] = set()
         stack = list(roots)
         while stack:
@@ -760,7 +663,7 @@ class Graph:
                 continue
             node = self._nodes[name]
             if drop and any(text.startswith("^") and text[1:] in drop for text in node.input):
-                node = _copy_node(node, name)
+                node = copy_node(node, name)
                 kept = [text for text in node.input if not (text.startswith("^") and text[1:] in drop)]
                 del node.input[:]
                 node.input.extend(kept)
@@ -768,62 +671,6 @@ class Graph:
         graph_def.library.CopyFrom(self.library)
         graph_def.versions.CopyFrom(self.versions)
         return graph_def
-
-    def fragment(self, nodes: Sequence[str], *,
-                 feed: Callable[[str, int, TensorRef], Hashable] | None = None,
-                 constants: Mapping[tuple[str, int], Any] | None = None,
-                 inline: Iterable[Hashable] = ()) -> Fragment:
-        """Cuts `nodes` out as a GraphDef of their own, to be imported elsewhere.
-
-        The split loops import a region's fragment once per chunk. Inputs from outside
-        the fragment become named feeds (`Fragment.import_into`); control edges are
-        dropped (callers only cut nodes without them), as are the attrs that tie nodes
-        to this graph (stale `_output_shapes`, `_class` colocation).
-
-        Args:
-            nodes: the nodes to copy, in topological order.
-            feed: `(node, input position, tensor) → key` of the feed an outside input
-                comes from; positions with equal keys share a feed. Default: the tensor
-                (so a tensor read twice is fed once); a loop feeding one tensor both
-                sliced and whole gives the two different keys.
-            constants: `(node, input position) → value`: that input becomes a new `Const`
-                (e.g. a reshape's target shape, rewritten for a chunk).
-            inline: feed keys of small `Const`s to copy in rather than feed, so that shape
-                arguments stay constant and shape inference keeps every dimension.
-
-        Example:
-            >>> frag = graph.fragment(["exp", "sum"])
-            >>> [out] = frag.import_into({TensorRef("x"): chunk}, [TensorRef("sum")])
-        """
-        inside = set(nodes)
-        constants = dict(constants or {})
-        inline = set(inline)
-        key_of = feed or (lambda name, position, ref: ref)
-        feed_names: dict[Hashable, str] = {}
-        graph_def = graph_pb2.GraphDef()
-        graph_def.versions.CopyFrom(self.versions)
-        for name in nodes:
-            node = _copy_node(self.node(name), name)
-            del node.input[:]
-            for position, ref in enumerate(self.inputs(name)):
-                if (name, position) in constants:
-                    const = _const_node(f"{name}/tfmem_chunk_{position}", constants[(name, position)])
-                    graph_def.node.append(const)
-                    node.input.append(const.name)
-                    continue
-                if ref.node in inside:
-                    node.input.append(ref.as_input())
-                    continue
-                key = key_of(name, position, ref)
-                if key not in feed_names:
-                    feed_names[key] = f"{_FRAGMENT_INPUT}{len(feed_names)}"
-                    if key in inline:  # the constant itself, under the feed's name
-                        const = _copy_node(self.node(ref.node), feed_names[key])
-                        del const.input[:]
-                        graph_def.node.append(const)
-                node.input.append(feed_names[key] if key in inline else TensorRef(feed_names[key]).as_input())
-            graph_def.node.append(node)
-        return Fragment(graph_def, {key: name for key, name in feed_names.items() if key not in inline})
 
     def while_passthrough(self, name: str) -> dict[int, int]:
         """Outputs of a `While` node that are its inputs handed through unchanged: index → index.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -313,7 +313,11 @@ def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:
         >>> xla_plan(f, tf.ones([1000, 10])).largest_bytes  # the 1000×1000 result
         4000000
     """
-    if hasattr(function, "xla_plan"):
+    if hasattr(function, "python_function") and callable(getattr(function, "compiled", None)):
+        function = function.compiled(*args, **kwargs)  # a tfmem.function: its Compiled stage
+        if function is None:
+            return None  # it fell back to the original
+    if hasattr(function, "xla_plan"):  # a Compiled stage
         return function.xla_plan(*args, **kwargs)
     try:
         serialized = function.experimental_get_compiler_ir(*args, **kwargs)(

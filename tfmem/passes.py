@@ -2,14 +2,19 @@
 
 A pass takes a Graph and returns a `PassResult(graph, modified, records)`. Records say
 what fired, what was rejected and why, so the Report and `explain` need no other source.
-The PassManager runs the passes in order, repeatedly, until none changes the graph
-(first those before the budget-reading split stage, which every budget shares, then all);
-with `lint=True` it checks the graph after every pass and names the pass that broke it.
+Every pass is handed the graph and a `PassContext` (the user's config, and what was
+resolved from it), and declares in `reads` which config keys its result depends on.
+The PassManager runs the passes in order, repeatedly, until none changes the graph:
+first those before the first pass that runs once (their fixed point is the *prefix*,
+which a caller may cache: its key derives from the keys those passes read), then all.
+With `lint=True` it checks the graph after every pass and names the pass that broke it.
+A pass may hand its caller a typed value beside the graph (`PassResult.verdict`); the
+PassManager passes it on without reading it.
 
 Example:
     >>> class DropIdentities(GraphPass):
-    ...     name, stage = "drop_identities", "cleanup"
-    ...     def run(self, graph, config):
+    ...     name, stage, reads = "drop_identities", "cleanup", frozenset()
+    ...     def run(self, graph, context):
     ...         records = []
     ...         for node in list(graph.find("Identity")):
     ...             if not graph.is_output(TensorRef(node.name)):
@@ -17,7 +22,7 @@ Example:
     ...                 records.append(RewriteRecord(self.name, "identity", "fired", (node.name,)))
     ...         graph.prune()
     ...         return PassResult(graph, bool(records), records)
-    >>> result = PassManager([DropIdentities()], lint=True).run(graph, Config())
+    >>> result = PassManager([DropIdentities()], lint=True).run(graph, PassContext(Config()))
 """
 from __future__ import annotations
 
@@ -27,18 +32,20 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Hashable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, ClassVar, Literal, TypeVar
 
 from tfmem.config import Config, format_size
+from tfmem.context import PassContext
 from tfmem.graph import Graph, GraphError
 
 logger = logging.getLogger(__name__)
 
 RecordStatus = Literal["fired", "rejected", "info"]
 # What a record is about: a pattern or region rewrite, a split into a loop, the memory
-# budget, or housekeeping. Reports group by it; the status alone says what happened.
-RecordKind = Literal["rewrite", "split", "budget", "cleanup"]
+# plan, or housekeeping. Reports group by it; the status alone says what happened.
+RecordKind = Literal["rewrite", "split", "plan", "cleanup"]
+VerdictT = TypeVar("VerdictT")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +59,7 @@ class RewriteRecord:
         nodes: the nodes concerned (the match's root first).
         reason: why a match was rejected or a tensor left unsplit.
         details: anything else worth reporting (chunk counts, byte sizes, ...).
-        kind: "rewrite", "split", "budget" or "cleanup".
+        kind: "rewrite", "split", "plan" (the memory plan) or "cleanup".
     """
 
     pass_name: str
@@ -73,11 +80,16 @@ class RewriteRecord:
 
 @dataclasses.dataclass
 class PassResult:
-    """What a pass returns: the (possibly edited) graph, whether it changed, and records."""
+    """What a pass returns: the (possibly edited) graph, whether it changed, and records.
+
+    `verdict`: a typed value for the pass's caller (the split pass's plan verdict, say);
+    the PassManager hands on the last one of each pass (`PipelineResult.verdict`).
+    """
 
     graph: Graph
     modified: bool
     records: list[RewriteRecord] = dataclasses.field(default_factory=list)
+    verdict: object | None = None
 
 
 class GraphPass(abc.ABC):
@@ -89,15 +101,15 @@ class GraphPass(abc.ABC):
 
     name: ClassVar[str]
     stage: ClassVar[str]
-    # Runs in the first round only. For a pass whose output later rounds only tidy (the
-    # split stage's loops): running it again would split what it already split.
-    once: ClassVar[bool] = False
-    # Its result depends on the memory budget or the split sizes. The PassManager runs the
-    # passes before the first such pass once per graph (`run_prefix`), whatever the budget.
-    reads_budget: ClassVar[bool] = False
+    # Runs in the first round only: a pass whose output later rounds only tidy, and which
+    # would redo its own work if run again. The passes before it form the prefix.
+    runs_once: ClassVar[bool] = False
+    # The config keys its result depends on, beside the graph; None: possibly any of them.
+    # A cached prefix is reused for another config that agrees on the keys its passes read.
+    reads: ClassVar[frozenset[str] | None] = None
 
     @abc.abstractmethod
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         raise NotImplementedError
 
 
@@ -112,18 +124,24 @@ class PassError(RuntimeError):
 @dataclasses.dataclass
 class PipelineResult:
     """The PassManager's output: final graph, all records, seconds per pass, rounds run,
-    and the budget-free prefix it started from."""
+    the last verdict of each pass that gave one, and the prefix it started from."""
 
     graph: Graph
     records: list[RewriteRecord]
     seconds: dict[str, float]
     iterations: int
-    # The budget-free part it started from (`PassManager.run_prefix`), for reuse.
+    verdicts: dict[str, object] = dataclasses.field(default_factory=dict)
+    # The fixed point of the passes before the first that runs once, for reuse.
     prefix: PipelineResult | None = None
 
     @property
     def modified(self) -> bool:
         return any(r.status == "fired" for r in self.records)
+
+    def verdict(self, kind: type[VerdictT]) -> VerdictT | None:
+        """The last verdict of type `kind` a pass gave, if any."""
+        found = [v for v in self.verdicts.values() if isinstance(v, kind)]
+        return found[-1] if found else None
 
 
 class PassManager:
@@ -141,58 +159,68 @@ class PassManager:
         self.max_iterations = max_iterations
         self.lint = lint
 
-    def run(self, graph: Graph, config: Config, *, prefix: PipelineResult | None = None) -> PipelineResult:
-        """Runs the passes on a copy of `graph`, in two phases: those before the first pass
-        that reads the budget to a fixed point (`run_prefix`), then, from that pass on,
-        all of them to a fixed point.
+    def run(self, graph: Graph, context: PassContext, *,
+            cache: MutableMapping[Hashable, PipelineResult] | None = None) -> PipelineResult:
+        """Runs the passes on a copy of `graph`, in two phases: the prefix (the passes
+        before the first that runs once) to a fixed point, then all of them.
 
         Args:
-            prefix: `run_prefix(graph, config)` computed earlier. It is the same whatever
-                the budget, so planning again for another budget (`compile_within_budget`)
-                reuses it instead of cleaning the graph up again.
+            cache: prefixes computed earlier, by `prefix_key`. A prefix depends only on
+                the graph and the config keys its passes read, so running again under
+                another context (a tighter memory target, say) reuses it.
 
         Raises:
             PassError: naming the pass that raised or (with lint) broke the graph.
         """
         with collector_paused():
+            key = self.prefix_key(context)
+            prefix = cache.get(key) if cache is not None else None
             reused = prefix is not None
             if prefix is None:
-                prefix = self.run_prefix(graph, config)
-            first = self._first_budget_pass()
+                prefix = self._fixed_point(graph.copy(), context, self.passes[:self._prefix_length()])
+                if cache is not None:
+                    cache[key] = prefix
+            first = self._prefix_length()
             if first == len(self.passes):
                 rest = PipelineResult(prefix.graph.copy(), [], {}, 0)  # the prefix is shared: a copy
             else:
-                rest = self._fixed_point(prefix.graph.copy(), config, self.passes, skip_first_round=first)
+                rest = self._fixed_point(prefix.graph.copy(), context, self.passes, skip_first_round=first)
             # Time is what this run spent: a reused prefix cost nothing here.
             seconds = {p.name: rest.seconds.get(p.name, 0.0) + (0.0 if reused else prefix.seconds.get(p.name, 0.0))
                        for p in self.passes}
             return PipelineResult(rest.graph, _unique(prefix.records + rest.records), seconds,
-                                  prefix.iterations + rest.iterations, prefix=prefix)
+                                  prefix.iterations + rest.iterations, {**prefix.verdicts, **rest.verdicts},
+                                  prefix=prefix)
 
-    def run_prefix(self, graph: Graph, config: Config) -> PipelineResult:
-        """The passes before the first that reads the budget (`GraphPass.reads_budget`), run
-        to a fixed point on a copy of `graph`: the part of the pipeline every budget shares."""
-        with collector_paused():
-            return self._fixed_point(graph.copy(), config, self.passes[:self._first_budget_pass()])
+    def prefix_key(self, context: PassContext) -> Hashable:
+        """What the prefix's result depends on beside the graph: its passes, and the values
+        of the config keys they read (the whole config if one of them does not say)."""
+        prefix = self.passes[:self._prefix_length()]
+        names = tuple(f"{type(p).__module__}.{type(p).__qualname__}:{p.name}" for p in prefix)
+        if any(p.reads is None for p in prefix):
+            return names, context.config
+        keys = sorted(set().union(*(p.reads for p in prefix if p.reads is not None)))
+        return names, tuple((k, getattr(context.config, k)) for k in keys)
 
-    def _first_budget_pass(self) -> int:
-        return next((i for i, p in enumerate(self.passes) if p.reads_budget), len(self.passes))
+    def _prefix_length(self) -> int:
+        return next((i for i, p in enumerate(self.passes) if p.runs_once), len(self.passes))
 
-    def _fixed_point(self, graph: Graph, config: Config, passes: Sequence[GraphPass], *,
+    def _fixed_point(self, graph: Graph, context: PassContext, passes: Sequence[GraphPass], *,
                      skip_first_round: int = 0) -> PipelineResult:
         """Runs `passes` in rounds until none changes the graph (the first round from
         `passes[skip_first_round]` on: those before it are at their fixed point already)."""
         records: list[RewriteRecord] = []
+        verdicts: dict[str, object] = {}
         seconds = {p.name: 0.0 for p in passes}
         iterations = 0
         for iterations in range(1, self.max_iterations + 1):
             changed = False
             for graph_pass in passes[skip_first_round if iterations == 1 else 0:]:
-                if graph_pass.once and iterations > 1:
+                if graph_pass.runs_once and iterations > 1:
                     continue
                 start = time.perf_counter()
                 try:
-                    result = graph_pass.run(graph, config)
+                    result = graph_pass.run(graph, context)
                 except Exception as err:  # name the culprit; the wrapper decides what to do
                     raise PassError(graph_pass.name, f"{type(err).__name__}: {err}") from err
                 finally:
@@ -203,12 +231,14 @@ class PassManager:
                         raise PassError(graph_pass.name, GraphError("; ".join(problems[:5])))
                 graph = result.graph
                 records.extend(result.records)
+                if result.verdict is not None:
+                    verdicts[graph_pass.name] = result.verdict
                 changed |= result.modified
             if not changed:
                 break
         else:
             logger.info("passes did not reach a fixed point in %d rounds", self.max_iterations)
-        return PipelineResult(graph, _unique(records), seconds, iterations)
+        return PipelineResult(graph, _unique(records), seconds, iterations, verdicts)
 
 
 def _unique(records: list[RewriteRecord]) -> list[RewriteRecord]:

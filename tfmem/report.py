@@ -6,78 +6,170 @@ newcomer understands, then the details.
 
 Example:
     >>> report = tfmem.explain(f, x)
-    >>> print(report)                      # "fits 1.0 GiB: estimated peak 780 MiB, was 14.8 GiB; ..."
+    >>> print(report)                      # "fits 1.0 GiB (memory_budget): estimated peak 780 MiB, was 14.8 GiB; ..."
     >>> [r.rule for r in report.fired]     # structured access
     >>> report.write_pbtxt("rewritten.pbtxt"); report.write_tensorboard("logs/")
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
-from tfmem.budget import Budget
+from tfmem.budget import Budget, PlanVerdict
 from tfmem.config import Config, format_size
 from tfmem.memory import MemoryEstimate
 from tfmem.passes import RewriteRecord
 
+if TYPE_CHECKING:  # the stages build reports: a runtime import would be circular
+    from tfmem.stages import Compiled, Rewritten, Traced
+
 Status = Literal["rewritten", "unchanged", "fallback"]
-
-
-def over_budget(records: Iterable[RewriteRecord]) -> RewriteRecord | None:
-    """The split stage's record of why the static plan misses the budget, if it does."""
-    return next((r for r in records if r.status == "rejected" and r.kind == "budget"), None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """The outcome of rewriting one signature of a function.
+    """The outcome of rewriting one signature of a function: a view over its stages.
+
+    Built in one place, `Report.of`; every number is read from the stages on access.
 
     Attributes:
         function_name: the user's function.
         signature: the traced input signature, as text.
-        config: the config it was rewritten under.
-        status: "rewritten" (some pass changed the graph), "unchanged" (no pass did; the
-            graph still runs under XLA), or "fallback" (the original function runs).
-        reason: why it fell back.
-        budget: the memory budget worked to, and where it came from (None: no budget).
-        records: every rule that fired or was rejected, every split, with reasons.
-        pass_seconds: time spent in each pass.
-        pipeline_seconds: capture + passes + import, the one-off cost per signature.
-        memory_before, memory_after: static estimates of the original and rewritten graph.
-        xla_bytes_before, xla_bytes_after: XLA's planned bytes for the original under
-            `tf.function(jit_compile=True)` (`explain` only) and for the rewritten graph
-            (checked against the budget when there is one; else `explain` only).
-        xla_largest_bytes_after, xla_overshoot_after: the largest single allocation of
-            that plan, and how far the plan is over the budget (`Budget.xla_overshoot`,
-            ≤ 1 fits), as measured when it was checked.
-        xla_check_seconds: the time that check took (an XLA compilation, or several).
+        config: the config it was rewritten under, as the user gave it.
+        traced, rewritten, compiled: its stages, as far as they got (None: not reached).
+        fallback_reason: why the original function runs instead ("" when it does not).
         replica: the `tf.distribute` replica the signature was traced in (inside
             `strategy.run`; its budget is then that replica's), else None.
+        xla_bytes_before: XLA's planned bytes for the original under
+            `tf.function(jit_compile=True)` (`explain` only).
+        explained_xla_bytes: XLA's planned bytes for the rewritten program, where
+            `explain` asked for them (no plan was checked against a budget).
+
+    Properties (computed from the stages): status, reason, budget, verdict, records,
+    pass_seconds, pipeline_seconds, memory_before, memory_after, nodes_before,
+    nodes_after, xla_bytes_after, xla_largest_bytes_after, xla_overshoot_after,
+    xla_check_seconds, original_graph_def, rewritten_graph_def.
     """
 
     function_name: str
     signature: str
     config: Config
-    status: Status = "unchanged"
-    reason: str = ""
-    budget: Budget | None = None
-    records: tuple[RewriteRecord, ...] = ()
-    pass_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    pipeline_seconds: float = 0.0
-    memory_before: MemoryEstimate | None = None
-    memory_after: MemoryEstimate | None = None
-    xla_bytes_before: int | None = None
-    xla_bytes_after: int | None = None
-    xla_largest_bytes_after: int | None = None
-    xla_overshoot_after: float | None = None
-    xla_check_seconds: float = 0.0
-    nodes_before: int = 0
-    nodes_after: int = 0
+    traced: Traced | None = dataclasses.field(default=None, repr=False, compare=False)
+    rewritten: Rewritten | None = dataclasses.field(default=None, repr=False, compare=False)
+    compiled: Compiled | None = dataclasses.field(default=None, repr=False, compare=False)
+    fallback_reason: str = ""
     replica: Any = None
-    original_graph_def: Any = dataclasses.field(default=None, repr=False)
-    rewritten_graph_def: Any = dataclasses.field(default=None, repr=False)
+    xla_bytes_before: int | None = None
+    explained_xla_bytes: int | None = None
+
+    @classmethod
+    def of(cls, traced: Traced, stage: Rewritten | Compiled, *, config: Config | None = None,
+           replica: Any = None) -> Report:
+        """The report of a signature whose stages reached `stage` (a Rewritten or Compiled).
+
+        `config`: the config the user gave (default: the one the passes ran under).
+        """
+        compiled = stage if hasattr(stage, "rewritten") else None
+        rewritten = compiled.rewritten if compiled is not None else stage
+        return cls(traced.function_name, traced.signature, config or rewritten.config, traced=traced,
+                   rewritten=rewritten, compiled=compiled, replica=replica)
+
+    def fall_back(self, reason: str) -> Report:
+        """This report, for a signature that now runs the original function."""
+        return dataclasses.replace(self, fallback_reason=reason)
+
+    # --- what happened ----------------------------------------------------------------
+
+    @property
+    def status(self) -> Status:
+        """"rewritten" (some pass changed the graph), "unchanged" (no pass did; the graph
+        still runs under XLA), or "fallback" (the original function runs)."""
+        if self.fallback_reason:
+            return "fallback"
+        return "rewritten" if self.rewritten is not None and self.rewritten.modified else "unchanged"
+
+    @property
+    def reason(self) -> str:
+        """Why it fell back ("" when it did not)."""
+        return self.fallback_reason
+
+    @property
+    def budget(self) -> Budget | None:
+        """The memory budget worked to, and where it came from (None: no budget)."""
+        return self.rewritten.budget if self.rewritten is not None else None
+
+    @property
+    def verdict(self) -> PlanVerdict | None:
+        """The split planner's verdict on the static plan (None: no budget)."""
+        return self.rewritten.verdict if self.rewritten is not None else None
+
+    @property
+    def records(self) -> tuple[RewriteRecord, ...]:
+        """Every rule that fired or was rejected, every split, with reasons."""
+        return self.rewritten.records if self.rewritten is not None else ()
+
+    @property
+    def pass_seconds(self) -> Mapping[str, float]:
+        return self.rewritten.pass_seconds if self.rewritten is not None else {}
+
+    @property
+    def pipeline_seconds(self) -> float:
+        """Capture + passes, the one-off cost per signature."""
+        traced = self.traced.seconds if self.traced is not None else 0.0
+        return traced + (self.rewritten.seconds if self.rewritten is not None else 0.0)
+
+    @property
+    def memory_before(self) -> MemoryEstimate | None:
+        return self.traced.memory if self.traced is not None and self.rewritten is not None else None
+
+    @property
+    def memory_after(self) -> MemoryEstimate | None:
+        return self.rewritten.memory if self.rewritten is not None else None
+
+    @property
+    def nodes_before(self) -> int:
+        return len(self.traced.graph) if self.traced is not None and self.rewritten is not None else 0
+
+    @property
+    def nodes_after(self) -> int:
+        return len(self.rewritten.graph) if self.rewritten is not None else 0
+
+    @property
+    def xla_bytes_after(self) -> int | None:
+        """XLA's planned bytes for the rewritten program: as checked against the budget,
+        else as `explain` asked for them."""
+        plan = self.compiled.checked_plan if self.compiled is not None else None
+        return plan.total_bytes if plan is not None else self.explained_xla_bytes
+
+    @property
+    def xla_largest_bytes_after(self) -> int | None:
+        """The largest single allocation of the checked plan."""
+        plan = self.compiled.checked_plan if self.compiled is not None else None
+        return plan.largest_bytes if plan is not None else None
+
+    @property
+    def xla_overshoot_after(self) -> float | None:
+        """How far the checked plan is over the budget (`Budget.xla_overshoot`, ≤ 1 fits)."""
+        return self.compiled.xla_overshoot if self.compiled is not None else None
+
+    @property
+    def xla_check_seconds(self) -> float:
+        """The time checking XLA's plan took (an XLA compilation, or several)."""
+        return self.compiled.check_seconds if self.compiled is not None else 0.0
+
+    @functools.cached_property
+    def original_graph_def(self) -> Any:
+        return self.traced.captured.graph_def if self.traced is not None else None
+
+    @functools.cached_property
+    def rewritten_graph_def(self) -> Any:
+        """The rewritten GraphDef (None when no rewrite was made, or after a fallback)."""
+        if self.rewritten is None or self.status == "fallback":
+            return None
+        return self.rewritten.graph.to_graph_def()
 
     @property
     def fired(self) -> list[RewriteRecord]:
@@ -103,10 +195,6 @@ class Report:
             return self.xla_bytes_after <= self.budget.xla_bytes
         return self.memory_after.peak_bytes <= self.budget.plan_bytes
 
-    @property
-    def over_budget(self) -> RewriteRecord | None:
-        """The split stage's account of why the budget is not met, if it is not."""
-        return over_budget(self.records)
 
     @property
     def where(self) -> str:
@@ -127,13 +215,15 @@ class Report:
         split = (f"{len(loops)} loop{'s' * (len(loops) != 1)} in {chunks} chunks" if loops
                  else "nothing split")
         if self.budget is None:
+            if self.config.budget_off:
+                return f"no bound (memory_budget: off): {peaks}; {split}"
             hint = "" if loops else " (no memory_budget set and none from the device)"
             return f"no budget: {peaks}; {split}{hint}"
         verdict = "fits" if self.fits else "does NOT fit"
-        line = f"{verdict} {format_size(self.budget.nbytes)}: {peaks}; {split}"
-        blocking = self.over_budget
-        if not self.fits and blocking is not None:
-            line += f" — {blocking.reason}"
+        line = f"{verdict} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
+        verdict = self.verdict
+        if not self.fits and verdict is not None and not verdict.fits:
+            line += f" — {verdict.reason}"
         elif not self.fits and self.xla_bytes_after is not None and self.xla_bytes_after <= self.budget.xla_bytes:
             line += (f" — XLA's largest block, {format_size(self.xla_largest_bytes_after)}, may not find room in "
                      "one piece beside the allocator's earlier regions")

@@ -17,9 +17,9 @@ Example:
     >>> traced = wrapped.trace(x, v)                  # Traced: .graph, .captured, .memory
     >>> print(traced.memory)
     peak ... MiB at Square (largest live: Square:0 float64[1000, 1000, 3] 22.9 MiB, ...)
-    >>> rewritten = traced.rewrite(wrapped.config)   # Rewritten: .graph, .records, .memory
+    >>> rewritten = traced.rewrite(wrapped.config)   # Rewritten: .graph, .records, .memory, .verdict
     >>> print(rewritten.report.summary())
-    fits 8.0 MiB: estimated peak ... MiB, was ... MiB; 1 loop in ... chunks
+    fits 8.0 MiB (memory_budget): estimated peak ... MiB, was ... MiB; 1 loop in ... chunks
     >>> compiled = rewritten.compile()
     >>> compiled(x, v).shape, compiled.xla_planned_bytes(x, v) <= 8 * 2**20
     (TensorShape([1000, 16]), True)
@@ -32,13 +32,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tfmem.budget import Budget, allocator_peak, resolve_budget
+from tfmem.budget import Budget, PlanVerdict, allocator_peak, resolve_budget
 from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config, format_size
+from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import Report, Status, over_budget
+from tfmem.report import Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,10 @@ class Traced:
     signature: str
     captured: CapturedFunction
     seconds: float = 0.0
-    # The budget-free part of each pipeline run on this trace (`PassManager.run_prefix`),
-    # reused when the same passes run again for another budget.
-    _prefixes: dict[Any, PipelineResult] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The prefixes of the pipelines run on this trace (`PassManager.run`'s cache), by the
+    # passes that ran: reused when the same passes run again under another target or budget.
+    _prefixes: dict[Any, dict[Any, PipelineResult]] = dataclasses.field(default_factory=dict, compare=False,
+                                                                        repr=False)
 
     @functools.cached_property
     def graph(self) -> Graph:
@@ -71,7 +73,8 @@ class Traced:
         return estimate_memory(self.graph)
 
     def rewrite(self, config: Config | None = None, *, passes: Sequence[GraphPass] | None = None,
-                lint: bool = False, device: str | None = None, budget: Budget | None = None) -> Rewritten:
+                lint: bool = False, device: str | None = None, budget: Budget | None = None,
+                target_bytes: int | None = None) -> Rewritten:
         """Runs the pass pipeline under `config` (default: `Config()`) for `device`.
 
         Args:
@@ -79,8 +82,9 @@ class Traced:
             lint: check the graph after every pass (tests turn this on).
             device: where the function will run, for a budget from the device.
             budget: the budget, when the caller resolved it (a replica's share of its
-                device), or when `config.memory_budget` is a tighter plan for it
-                (`compile_within_budget` plans again when XLA needs more).
+                device); None = `resolve_budget(config, device)`.
+            target_bytes: what the static estimate must reach; None = the budget's
+                `plan_bytes` (`compile_within_budget` asks for less when XLA needs more).
 
         Raises:
             PassError: naming the pass that failed.
@@ -89,18 +93,18 @@ class Traced:
         start = time.perf_counter()
         if budget is None:
             budget = resolve_budget(config, device)
-        if budget is not None and config.memory_budget is None:  # from the device: the passes plan to it
-            config = dataclasses.replace(config, memory_budget=budget.nbytes)
+        context = PassContext.for_budget(config, budget)
+        if target_bytes is not None:
+            context = context.tightened(target_bytes)
         # The registered pipeline is made anew from the config; given passes are the same objects.
-        key = (tuple(passes) if passes is not None else "registered", _without_budget(config), lint)
+        cache = self._prefixes.setdefault((tuple(passes) if passes is not None else "registered", lint), {})
         passes = list(passes) if passes is not None else default_pipeline(config)
-        result = PassManager(passes, lint=lint).run(self.graph, config, prefix=self._prefixes.get(key))
-        self._prefixes.setdefault(key, result.prefix)
+        result = PassManager(passes, lint=lint).run(self.graph, context, cache=cache)
         with collector_paused():
             memory = estimate_memory(result.graph)
-        return Rewritten(traced=self, config=config, budget=budget, graph=result.graph,
-                         records=tuple(result.records), pass_seconds=dict(result.seconds),
-                         memory=memory, seconds=time.perf_counter() - start)
+        return Rewritten(traced=self, context=context, graph=result.graph, records=tuple(result.records),
+                         pass_seconds=dict(result.seconds), memory=memory, verdict=result.verdict(PlanVerdict),
+                         seconds=time.perf_counter() - start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,23 +113,33 @@ class Rewritten:
 
     Attributes:
         traced: the stage it came from.
-        config: the config the passes ran under (its `memory_budget` is the budget used).
-        budget: the budget and where it came from (None: no budget).
+        context: what the passes were handed: the config as given, the budget, the target.
         graph: the rewritten graph.
         records: what every pass did or declined to do, with reasons.
         pass_seconds: time in each pass.
         memory: the static peak estimate of the rewritten graph.
+        verdict: the split planner's verdict on the target (None: no budget, or no split stage).
         seconds: how long rewriting took.
     """
 
     traced: Traced
-    config: Config
-    budget: Budget | None
+    context: PassContext
     graph: Graph
     records: tuple[RewriteRecord, ...]
     pass_seconds: Mapping[str, float]
     memory: MemoryEstimate
+    verdict: PlanVerdict | None
     seconds: float
+
+    @property
+    def config(self) -> Config:
+        """The config the passes ran under, as the user gave it."""
+        return self.context.config
+
+    @property
+    def budget(self) -> Budget | None:
+        """The budget and where it came from (None: no budget)."""
+        return self.context.budget
 
     @property
     def modified(self) -> bool:
@@ -133,9 +147,9 @@ class Rewritten:
 
     @property
     def report(self) -> Report:
-        """The report of this stage (no XLA bytes: `Compiled.report` adds nothing either;
-        `TfmemFunction.explain` compiles both programs to add them)."""
-        return make_report(self, status="rewritten" if self.modified else "unchanged")
+        """The report of this stage (no XLA bytes: `TfmemFunction.explain` compiles both
+        programs to add them)."""
+        return Report.of(self.traced, self)
 
     def compile(self, *, input_signature: Any = None, name: str = "tfmem") -> Compiled:
         """Imports the rewritten graph into a `tf.function` (with XLA when the config says so).
@@ -222,23 +236,22 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             best = compiled
         if overshoot <= 1 or attempt == _REPLANS:
             break
-        if over_budget(rewritten.records) is not None:
+        if rewritten.verdict is not None and not rewritten.verdict.fits:
             # The static plan already missed its own target with nothing left to split or
             # shrink: a tighter target meets the same wall, after another XLA compile
             # (SGPR M=20,000 at 32 GiB: 5 min of compile for a plan that came out worse).
             stopped = RewriteRecord(
-                "compile_within_budget", "XlaPlan", "info", kind="budget",
+                "compile_within_budget", "XlaPlan", "info", kind="plan",
                 reason=f"XLA plans {format_size(planned.total_bytes)}, over its share {format_size(budget.xla_bytes)}; "
                        "not planning again: the static plan is over its target already, with nothing left "
                        "that splitting or smaller chunks would lower")
             break
-        plan = int(rewritten.config.memory_budget / overshoot * _REPLAN_MARGIN)
-        note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="budget", details={
+        target = int(rewritten.context.target_bytes / overshoot * _REPLAN_MARGIN)
+        note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", details={
             "xla_planned_bytes": planned.total_bytes, "xla_share_bytes": budget.xla_bytes,
             "xla_largest_allocation_bytes": planned.largest_bytes, "overshoot": round(overshoot, 3),
-            "next_budget_bytes": plan})
-        again = traced.rewrite(dataclasses.replace(rewritten.config, memory_budget=plan), passes=passes,
-                               lint=lint, budget=budget)
+            "next_target_bytes": target})
+        again = traced.rewrite(config, passes=passes, lint=lint, budget=budget, target_bytes=target)
         rewritten = dataclasses.replace(again, records=(note, *again.records),
                                         seconds=rewritten.seconds + again.seconds)
         compiled = rewritten.compile(input_signature=input_signature, name=name)
@@ -246,7 +259,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     records = best.rewritten.records + ((stopped,) if stopped is not None else ())
     if best is not compiled:
         records = (*records, RewriteRecord(
-            "compile_within_budget", "XlaPlan", "info", kind="budget",
+            "compile_within_budget", "XlaPlan", "info", kind="plan",
             reason=f"planning again came out worse under XLA (overshoot {compiled.xla_overshoot:.3f}): "
                    f"kept the plan with overshoot {best.xla_overshoot:.3f}"))
     # The time of every attempt counts, whichever plan is kept.
@@ -256,22 +269,3 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
 
 _REPLANS = 2
 _REPLAN_MARGIN = 0.95
-
-
-def _without_budget(config: Config) -> Config:
-    """`config` less what only budget-reading passes read: the key of a shared prefix."""
-    return dataclasses.replace(config, memory_budget=None, tensor_size_threshold=None, tensor_split_size=None)
-
-
-def make_report(rewritten: Rewritten, *, status: Status, reason: str = "", pipeline_seconds: float | None = None,
-                **extra: Any) -> Report:
-    """A Report of a rewritten signature."""
-    traced = rewritten.traced
-    return Report(
-        function_name=traced.function_name, signature=traced.signature, config=rewritten.config,
-        status=status, reason=reason, budget=rewritten.budget, records=rewritten.records,
-        pass_seconds=rewritten.pass_seconds,
-        pipeline_seconds=traced.seconds + rewritten.seconds if pipeline_seconds is None else pipeline_seconds,
-        memory_before=traced.memory, memory_after=rewritten.memory, nodes_before=len(traced.graph),
-        nodes_after=len(rewritten.graph), original_graph_def=traced.captured.graph_def,
-        rewritten_graph_def=rewritten.graph.to_graph_def(), **extra)

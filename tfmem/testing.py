@@ -58,6 +58,7 @@ def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
     import resource
 
     from tfmem.config import Config
+    from tfmem.context import PassContext
     from tfmem.passes import PassManager, default_pipeline
 
     def program(x):  # x: [rows, cols]
@@ -73,7 +74,7 @@ def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
     graph = Graph(graph_def, outputs=[t.name for t in concrete.outputs])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     config = Config(passes=["cleanup"])
-    result = PassManager(default_pipeline(config)).run(graph, config)
+    result = PassManager(default_pipeline(config)).run(graph, PassContext(config))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rss_growth_bytes": after - before, "ops": result.graph.op_counts()}
 

@@ -39,13 +39,13 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tfmem.capture import capture
 from tfmem.budget import Budget
-from tfmem.config import Config, active_config
+from tfmem.config import Config, active_config, format_size
 from tfmem.distribute import Replica, current_replica, replica_budget
 from tfmem.errors import TfmemError, first_line, warn
-from tfmem.memory import XlaPlan, xla_planned_bytes
+from tfmem.memory import xla_planned_bytes
 from tfmem.passes import GraphPass
 from tfmem.report import Report
-from tfmem.stages import Compiled, Rewritten, Traced, compile_within_budget, make_report
+from tfmem.stages import Compiled, Traced, compile_within_budget
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,6 @@ class _Signature:
     inline: bool = False  # run the Python function inline (it cannot be a nested function here)
     called: bool = False
     backward: dict[tuple[int, ...], TfmemFunction] = dataclasses.field(default_factory=dict)
-
-    @property
-    def rewritten(self) -> Rewritten | None:
-        return self.compiled.rewritten if self.compiled is not None else None
 
 
 class TfmemFunction:
@@ -280,14 +276,15 @@ class TfmemFunction:
         except Exception as err:  # any failure: keep the user's program running
             self._fall_back(signature, f"{type(err).__name__}: {first_line(err)}", err)
             return signature
-        rewritten, plan = signature.compiled.rewritten, signature.compiled.checked_plan
-        signature.report = make_report(rewritten, status="rewritten" if rewritten.modified else "unchanged",
-                                       xla_bytes_after=plan.total_bytes if plan else None,
-                                       xla_largest_bytes_after=plan.largest_bytes if plan else None,
-                                       xla_overshoot_after=signature.compiled.xla_overshoot,
-                                       xla_check_seconds=signature.compiled.check_seconds, replica=replica)
+        signature.report = Report.of(signature.traced, signature.compiled, config=config, replica=replica)
         if signature.report.fits is False:
             self._over_budget(signature.report)
+        elif signature.report.verdict is not None and signature.report.verdict.threshold_dropped:
+            # The threshold is an override, the budget a promise: the user asked for
+            # something that was not done, and must hear it (not a failure: no strict raise).
+            warn(f"tfmem: {self._name}{signature.report.signature}{signature.report.where}: "
+                 f"tensor_size_threshold not honoured within the memory budget {signature.report.budget}: "
+                 f"{signature.report.verdict.threshold_dropped}")
         return signature
 
     def _compile(self, traced: Traced, config: Config, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -310,7 +307,7 @@ class TfmemFunction:
         """The signature of a function that runs inline in `replica`'s strategy: TF cannot trace it there."""
         reason = (f"it cannot be traced as a nested function inside {replica.strategy}.run "
                   f"({type(err).__name__}: {first_line(err)}); it runs inline, unchanged")
-        report = Report(self._name, "(...)", config, status="fallback", reason=reason, replica=replica)
+        report = Report(self._name, "(...)", config, fallback_reason=reason, replica=replica)
         message = f"tfmem: running {self._name}{report.where} unchanged: {reason}"
         if config.strict:
             raise TfmemError(message) from err
@@ -320,17 +317,22 @@ class TfmemFunction:
         return signature
 
     def _over_budget(self, report: Report) -> None:
-        blocking = report.over_budget
+        verdict = report.verdict
         message = (f"tfmem: {self._name}{report.signature}{report.where} may not fit its memory budget "
                    f"{report.budget}: {report.summary()}")
-        if blocking is not None and blocking.reason not in message:
-            message += f" ({blocking.reason})"
+        if verdict is not None and verdict.threshold_dropped:
+            message += f" (tensor_size_threshold not honoured either: {verdict.threshold_dropped})"
+        elif report.config.tensor_size_threshold is not None:
+            message += (f" (with tensor_size_threshold {format_size(report.config.tensor_size_threshold)}; "
+                        "the threshold only adds splits, it does not lift the budget)")
+        if verdict is not None and verdict.reason and verdict.reason not in message:
+            message += f" ({verdict.reason})"
         if report.config.strict:
             raise TfmemError(message)
         warn(message)
 
     def _fall_back(self, signature: _Signature, reason: str, cause: BaseException | None = None) -> None:
-        signature.report = dataclasses.replace(signature.report, status="fallback", reason=reason)
+        signature.report = signature.report.fall_back(reason)
         signature.compiled = None
         message = f"tfmem: running {self._name}{signature.report.signature}{signature.report.where} unchanged: {reason}"
         if signature.report.config.strict:
@@ -367,34 +369,23 @@ class TfmemFunction:
                                 input_signature=self._input_signature)
             report = dataclasses.replace(report, xla_bytes_before=xla_planned_bytes(stock, *args, **kwargs))
         if report.xla_bytes_after is None and signature.compiled is not None:
-            report = dataclasses.replace(report, xla_bytes_after=signature.compiled.xla_planned_bytes(
+            report = dataclasses.replace(report, explained_xla_bytes=signature.compiled.xla_planned_bytes(
                 *args, **kwargs))
         signature.report = report
         return report
 
-    def rewritten_graph_def(self, *args: Any, **kwargs: Any) -> Any:
-        """The rewritten GraphDef for this signature (None after a fallback)."""
-        return self.report(*args, **kwargs).rewritten_graph_def
+    def compiled(self, *args: Any, **kwargs: Any) -> Compiled | None:
+        """This signature's last stage (rewriting it if not yet done), or None after a fallback.
 
-    def compiled(self, *args: Any, **kwargs: Any) -> Any:
-        """The `tf.function` that runs the rewritten graph for this signature (None after a fallback)."""
-        compiled = self._signature(args, kwargs, self.config).compiled
-        return compiled.function if compiled is not None else None
-
-    def xla_plan(self, *args: Any, **kwargs: Any) -> XlaPlan | None:
-        """XLA's buffer assignment for the rewritten function (None if not compiled with XLA)."""
-        compiled = self._signature(args, kwargs, self.config).compiled
-        return compiled.xla_plan(*args, **kwargs) if compiled is not None else None
-
-    def xla_planned_bytes(self, *args: Any, **kwargs: Any) -> int | None:
-        """XLA's planned bytes for the rewritten function (None if not compiled with XLA)."""
-        plan = self.xla_plan(*args, **kwargs)
-        return plan.total_bytes if plan is not None else None
+        It holds the others: `.rewritten` (graph, records, verdict), `.rewritten.traced`;
+        call it to run the rewritten program, or ask it for XLA's plan (`.xla_plan(*args)`).
+        """
+        return self._signature(args, kwargs, self.config).compiled
 
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
         """The concrete function of the rewritten graph (the original's after a fallback)."""
         compiled = self.compiled(*args, **kwargs)
-        return (compiled or self.original).get_concrete_function(*args, **kwargs)
+        return (compiled.function if compiled is not None else self.original).get_concrete_function(*args, **kwargs)
 
 
 def function(fn: Callable[..., Any] | None = None, *, config: Any = None, jit_compile: bool | None = None,

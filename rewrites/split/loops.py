@@ -19,15 +19,16 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tfmem.graph import Fragment, Graph, TensorRef
+from tfmem.graph import Graph, TensorRef
 
-from rewrites.split.regions import Feed, Region
-from rewrites.split.rules import chunk_patches
+from rewrites.split.fragment import Fragment, fragment
+from rewrites.split.regions import Feed, SliceRegion
+from rewrites.split.op_rules import chunk_patches
 
 _SMALL_CONSTANT_BYTES = 1 << 16
 
 
-def _fragment(graph: Graph, region: Region, feeds: Sequence[Feed], chunk: int) -> Fragment:
+def _fragment(graph: Graph, region: SliceRegion, feeds: Sequence[Feed], chunk: int) -> Fragment:
     """The region's nodes as a fragment for one chunk of length `chunk`."""
     constants: dict[tuple[str, int], np.ndarray] = {}
     for name in region.nodes:
@@ -41,7 +42,7 @@ def _fragment(graph: Graph, region: Region, feeds: Sequence[Feed], chunk: int) -
         constants.update(((name, position), value) for position, value in patches.items())
     # Shape arguments must stay constants, or shape inference loses dimensions.
     inline = [feed for feed in feeds if feed.axis is None and _is_small_constant(graph, feed.ref)]
-    return graph.fragment(region.nodes, feed=region.feed_of, constants=constants, inline=inline)
+    return fragment(graph, region.nodes, feed=region.feed_of, constants=constants, inline=inline)
 
 
 def _is_small_constant(graph: Graph, ref: TensorRef) -> bool:
@@ -89,7 +90,7 @@ def _highest(dtype: tf.DType) -> Any:
 class _Combiner:
     """Starts and merges the accumulators of one sink across chunks."""
 
-    def __init__(self, graph: Graph, region: Region, name: str) -> None:
+    def __init__(self, graph: Graph, region: SliceRegion, name: str) -> None:
         self.kind = region.sinks[name]
         self.outputs = len(graph.output_specs(name))
         node = graph.node(name)
@@ -164,7 +165,7 @@ class _Combiner:
         return acc[1:] if self.kind in ("argmax", "argmin") else acc
 
 
-def emit_loop(graph: Graph, region: Region, chunk: int, *, max_write_out: int,
+def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: int,
               scope: str = "tfmem_split") -> dict[TensorRef, TensorRef]:
     """Adds a loop computing `region` in chunks of `chunk`; returns original → new tensors.
 

@@ -23,19 +23,25 @@ import math
 
 from tensorflow.core.framework import node_def_pb2
 
+from tfmem.budget import PlanVerdict
 from tfmem.config import format_size
 from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.memory import MemoryEstimate, estimate_memory
 from tfmem.passes import RewriteRecord
 
 from rewrites.split.loops import emit_loop
-from rewrites.split.regions import GRAPH_INPUT_OPS, Region, grow_region
+from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
 
 RULE = "SplitOversizedRegions"
 _MAX_LOOPS = 64
 _MAX_BUDGET_STEPS = 48
-# A new loop's largest body tensor starts at this share of the budget: a body holds a
-# handful of chunk-sized tensors at once. Its chunks are then shrunk or grown to fit.
+# The shares of the target the budget's first splits are sized by (its chunks are then
+# shrunk or grown to fit). A program over its target first splits every tensor over an
+# eighth of it (what it surely cannot hold whole), in bodies of a sixteenth; each later
+# split at the peak starts with a largest body tensor of an eighth: a body holds a
+# handful of chunk-sized tensors at once.
+_SURELY_SPLIT_SHARE = 8
+_FIRST_BODY_SHARE = 16
 _FIRST_CHUNK_SHARE = 8
 # Chunk lengths are planned to this share of the room a loop's body has (the body is only
 # roughly proportional to its chunk length), and grown only when that gains a quarter.
@@ -66,7 +72,7 @@ class Loop:
     """
 
     scope: str
-    region: Region
+    region: SliceRegion
     chunk: int
     per_unit: int
     saved: tuple[node_def_pb2.NodeDef, ...]
@@ -80,6 +86,42 @@ class Loop:
 
 class Planner:
     """One run of the split pass over one graph: its loops, records and given-up seeds."""
+
+    @classmethod
+    def within(cls, pass_name: str, graph: Graph, target: int, threshold: int | None,
+               split_size: int | None) -> tuple[Planner, PlanVerdict]:
+        """Splits `graph` in place by `threshold` (if any), then until its static peak is at
+        most `target` bytes; the planner (whose graph is the result) and its verdict.
+
+        The threshold is an expert's override, the target a promise: when the threshold's
+        loops leave the program over the target, it plans again by the target alone, on
+        the graph as it was, and keeps whichever plan has the lower peak.
+        """
+        before = graph.copy() if threshold is not None else None
+        planner = cls(pass_name, graph)
+        verdict = planner._fit(target, threshold, split_size)
+        if before is None or verdict.fits:
+            return planner, verdict
+        alone = cls(pass_name, before)
+        alone_verdict = alone._fit(target, None, split_size)
+        if alone_verdict.peak_bytes >= verdict.peak_bytes:
+            return planner, verdict
+        dropped = (f"splitting every tensor over tensor_size_threshold {format_size(threshold)} left the static "
+                   f"peak at {format_size(verdict.peak_bytes)}, over the plan {format_size(target)}; planned by "
+                   f"the memory budget alone ({format_size(alone_verdict.peak_bytes)})")
+        alone.records.insert(0, RewriteRecord(
+            pass_name, "MemoryBudget", "info", kind="plan", reason=dropped,
+            details={"threshold_peak_bytes": verdict.peak_bytes, "budget_peak_bytes": alone_verdict.peak_bytes}))
+        return alone, dataclasses.replace(alone_verdict, threshold_dropped=dropped)
+
+    def _fit(self, target: int, threshold: int | None, split_size: int | None) -> PlanVerdict:
+        """Splits by threshold (if any; else, when over `target`, every tensor surely too
+        large to hold), then to fit `target`."""
+        if threshold is not None:
+            self.split_all(threshold, split_size)
+        elif estimate_memory(self.graph).peak_bytes > target:
+            self.split_all(target // _SURELY_SPLIT_SHARE, min(split_size or target, target // _FIRST_BODY_SHARE))
+        return self.fit_budget(target, split_size)
 
     def __init__(self, pass_name: str, graph: Graph) -> None:
         self.pass_name = pass_name
@@ -121,9 +163,9 @@ class Planner:
 
     # --- by budget --------------------------------------------------------------------
 
-    def fit_budget(self, plan: int, split_size: int | None) -> MemoryEstimate:
+    def fit_budget(self, plan: int, split_size: int | None) -> PlanVerdict:
         """Splits and re-chunks until the static peak is at most `plan` bytes, or nothing
-        more helps; then grows chunks within it. Records the verdict; returns the estimate."""
+        more helps; then grows chunks within it. Records and returns the verdict."""
         estimate = estimate_memory(self.graph)
         shrinkable = {loop.scope for loop in self.loops}
         for _ in range(_MAX_BUDGET_STEPS):
@@ -144,14 +186,16 @@ class Planner:
             shrinkable = {loop.scope for loop in self.loops}
         if estimate.peak_bytes <= plan:
             estimate = self._grow_chunks(estimate, plan)
-            self.records.append(RewriteRecord(self.pass_name, "MemoryBudget", "info", kind="budget", details={
+            verdict = PlanVerdict(True, estimate.peak_bytes, plan, estimate.peak_node or "")
+            self.records.append(RewriteRecord(self.pass_name, "MemoryBudget", "info", kind="plan", details={
                 "peak_bytes": estimate.peak_bytes, "plan_bytes": plan}))
         else:
+            verdict = PlanVerdict(False, estimate.peak_bytes, plan, estimate.peak_node or "",
+                                  self._blocking_reason(estimate, plan))
             self.records.append(RewriteRecord(
-                self.pass_name, "MemoryBudget", "rejected", (estimate.peak_node or "",),
-                self._blocking_reason(estimate, plan), kind="budget",
+                self.pass_name, "MemoryBudget", "rejected", (verdict.node,), verdict.reason, kind="plan",
                 details={"peak_bytes": estimate.peak_bytes, "plan_bytes": plan}))
-        return estimate
+        return verdict
 
     def _split_at_peak(self, estimate: MemoryEstimate, plan: int,
                        split_size: int | None) -> MemoryEstimate | None:
@@ -251,7 +295,7 @@ class Planner:
 
     # --- loops ------------------------------------------------------------------------
 
-    def emit(self, region: Region, chunk: int, *, max_write_out: int) -> Loop:
+    def emit(self, region: SliceRegion, chunk: int, *, max_write_out: int) -> Loop:
         """Replaces `region` by a loop in chunks of `chunk`; records it."""
         graph = self.graph
         scope = graph.unique_scope("tfmem_split")
@@ -373,7 +417,7 @@ def _largest_computed(graph: Graph, threshold: int, skip: set[TensorRef]) -> Ten
     return best
 
 
-def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) -> tuple[Region | None, str]:
+def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) -> tuple[SliceRegion | None, str]:
     """The region around `seed` that leaves fewest tensors over `threshold` whole, or why none works."""
     spec = graph.spec(seed)
     reasons = []
@@ -430,7 +474,7 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) 
     return best, ""
 
 
-def chunk_length(graph: Graph, region: Region, split_size: int) -> int:
+def chunk_length(graph: Graph, region: SliceRegion, split_size: int) -> int:
     """The chunk length that keeps the region's largest tensor within `split_size`."""
     per_unit = max(region.per_unit_bytes(graph), 1)
     return int(min(region.size, max(1, split_size // per_unit)))

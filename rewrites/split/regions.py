@@ -1,7 +1,7 @@
 """Regions: the connected part of a graph that one loop computes chunk by chunk.
 
 Growing from an oversized tensor and one of its axes, a region takes in every op the
-split can pass through (by the ops' dimension classes, see `rules`):
+split can pass through (by the ops' dimension classes, see `op_rules`):
 
 - downwards, consumers that map the split axis to an output join the region; consumers
   that reduce it (a sum, a contraction, a top-k) join as *sinks*, whose results are
@@ -19,7 +19,7 @@ import dataclasses
 
 from tfmem.graph import Graph, TensorRef
 
-from rewrites.split.rules import DimClass, NoRule, class_of, dim_classes
+from rewrites.split.op_rules import DimClass, NoRule, class_of, dim_classes
 
 # Graph inputs: a region slices them, never recomputes them, and they are never split.
 GRAPH_INPUT_OPS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
@@ -34,7 +34,7 @@ class Feed:
 
 
 @dataclasses.dataclass
-class Region:
+class SliceRegion:
     """A set of nodes split along one dimension of length `size`.
 
     Attributes:
@@ -107,7 +107,7 @@ class _Grower:
                 self.classes[name] = str(reason)
         return self.classes[name]
 
-    def grow(self, seed: TensorRef, axis: int) -> Region | str:
+    def grow(self, seed: TensorRef, axis: int) -> SliceRegion | str:
         graph = self.graph
         size = graph.spec(seed).shape[axis]
         axes: dict[TensorRef, int] = {}
@@ -179,14 +179,14 @@ class _Grower:
                     if why is not None:
                         boundaries[ref] = why
         order = [n for n in graph.topological_order() if n in members]
-        region = Region(seed, size, dict(axes), order, sinks, boundaries, whole_reads)
+        region = SliceRegion(seed, size, dict(axes), order, sinks, boundaries, whole_reads)
         _make_convex(graph, region)
         if not region.nodes:
             return "nothing can be computed in chunks"
         return region
 
 
-def _make_convex(graph: Graph, region: Region) -> None:
+def _make_convex(graph: Graph, region: SliceRegion) -> None:
     """Drops region nodes that read what the region itself computes, but only has whole
     after the loop: through outside nodes, or straight from a sink (a reduction over the
     split axis, e.g. the mean in `k - mean(k)`, is a partial sum until the last chunk)."""
@@ -224,7 +224,7 @@ def _make_convex(graph: Graph, region: Region) -> None:
     region.whole_reads = {(name, position) for name, position in region.whole_reads if name in members}
 
 
-def grow_region(graph: Graph, seed: TensorRef, axis: int, large: int) -> Region | str:
+def grow_region(graph: Graph, seed: TensorRef, axis: int, large: int) -> SliceRegion | str:
     """The region grown from `seed` split along `axis`, or the reason there is none.
 
     Args:

@@ -34,7 +34,7 @@ def test_one_transpose_with_the_composed_permutation(inner: list[int], outer: li
     (x,) = inputs(rng, [SHAPE], dtype)
     function = rewrite(fn)
     assert [(r.rule, r.status) for r in function.report(x).records] == [("ComposeTransposes", "fired")]
-    graph = Graph(function.rewritten_graph_def(x))
+    graph = Graph(function.report(x).rewritten_graph_def)
     transposes = list(graph.find("Transpose"))
     composed = np.asarray(inner)[np.asarray(outer)]
     if np.array_equal(composed, np.arange(3)):  # the pair cancels out
@@ -71,7 +71,7 @@ def test_rejects_an_inner_transpose_read_elsewhere(rng: np.random.Generator) -> 
     function = rewrite(fn)
     (record,) = function.report(x).records
     assert (record.status, record.reason) == ("rejected", "not self-contained: transpose:0 is also read by Exp")
-    assert len(list(Graph(function.rewritten_graph_def(x)).find("Transpose"))) == 2
+    assert len(list(Graph(function.report(x).rewritten_graph_def).find("Transpose"))) == 2
 
 
 def test_runs_in_the_default_pipeline(rng: np.random.Generator) -> None:

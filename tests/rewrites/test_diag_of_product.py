@@ -69,7 +69,7 @@ def test_contracts_without_the_product(name: str, rng: np.random.Generator) -> N
     function = rewrite(fn)
     (fired,) = records(function, *args, status="fired")
     assert fired.details["after"] == contraction
-    graph = Graph(function.rewritten_graph_def(*args))
+    graph = Graph(function.report(*args).rewritten_graph_def)
     ops = graph.op_counts()
     assert not set(ops) & set(DIAG_OPS)
     assert ops.get("Transpose", 0) == transposes
@@ -97,7 +97,7 @@ def test_memory_estimate_goes_down(name: str, rng: np.random.Generator) -> None:
     args = inputs(rng, shapes, tf.float64)
     concrete = tf.function(fn).get_concrete_function(*args)
     graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
-    result = tfmem.PassManager([p() for p in PASSES], lint=True).run(graph, tfmem.Config())
+    result = tfmem.PassManager([p() for p in PASSES], lint=True).run(graph, tfmem.PassContext(tfmem.Config()))
     before, after = tfmem.estimate_memory(graph), tfmem.estimate_memory(result.graph)
     assert after.peak_bytes < before.peak_bytes
     assert all(t.nbytes < N * N * 8 // 2 for t in after.live_at_peak)
@@ -155,7 +155,7 @@ def test_rejects_dynamic_shape() -> None:
     concrete = tf.function(lambda p, q: tf.linalg.diag_part(p @ q)).get_concrete_function(
         tf.TensorSpec([None, M], tf.float32), tf.TensorSpec([M, N], tf.float32))
     graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
-    result = tfmem.PassManager([ContractDiagOfProduct()], lint=True).run(graph, tfmem.Config())
+    result = tfmem.PassManager([ContractDiagOfProduct()], lint=True).run(graph, tfmem.PassContext(tfmem.Config()))
     (rejected,) = result.records
     assert rejected.reason == "dynamic shape: factor p:0 has shape (None, 7)"
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from rewrites.grappler_cleanup import GrapplerCleanup, no_op_folds, run_grappler
 from tfmem.capture import capture, import_as_function
 from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph, GraphError
 from tfmem.passes import PassManager
 from tfmem.pattern import RuleSet
@@ -24,7 +25,7 @@ def captured_of(fn, *specs):
 def cleaned(fn, *specs) -> tuple[Graph, Graph, object]:
     captured = captured_of(fn, *specs)
     graph = captured.to_graph()
-    result = PassManager([GrapplerCleanup()], lint=True).run(graph, Config())
+    result = PassManager([GrapplerCleanup()], lint=True).run(graph, PassContext(Config()))
     return graph, result.graph, result
 
 
@@ -53,7 +54,7 @@ def test_folds_identities_noop_reshapes_casts_and_shape_arithmetic(rng, dtype):
 def test_results_unchanged_and_placeholders_and_outputs_preserved(rng):
     captured = captured_of(noisy, SPEC, SPEC)
     graph = captured.to_graph()
-    after = PassManager([GrapplerCleanup()], lint=True).run(graph, Config()).graph
+    after = PassManager([GrapplerCleanup()], lint=True).run(graph, PassContext(Config())).graph
     # y is unused, yet its placeholder is an argument of the function and must stay
     assert {n.name for n in after.find("Placeholder")} == {"x", "y"}
     assert after.outputs == graph.outputs
@@ -102,7 +103,7 @@ def test_failure_leaves_the_graph_unchanged_with_a_reason(monkeypatch):
     monkeypatch.setattr(tf_optimizer, "OptimizeGraph", broken)
     captured = captured_of(noisy, SPEC, SPEC)
     graph = captured.to_graph()
-    result = GrapplerCleanup().run(graph.copy(), Config())
+    result = GrapplerCleanup().run(graph.copy(), PassContext(Config()))
     (record,) = result.records
     assert record.status == "rejected" and "grappler exploded" in record.reason
     assert not result.modified
@@ -129,14 +130,14 @@ def test_run_grappler_refuses_a_result_that_lost_a_placeholder(monkeypatch):
 
 def test_no_op_folds_leave_real_reshapes(rng):
     captured = captured_of(lambda x: tf.reshape(tf.reshape(x, [3, 4]), [3, 4]) + 1.0, SPEC)
-    result = RuleSet(no_op_folds()).run(captured.to_graph(), Config())
+    result = RuleSet(no_op_folds()).run(captured.to_graph(), PassContext(Config()))
     assert [r.rule for r in result.records] == ["FoldNoOpReshape"]
     assert result.graph.op_counts()["Reshape"] == 1
 
 
 def test_reaches_a_fixed_point():
     captured = captured_of(noisy, SPEC, SPEC)
-    result = PassManager([GrapplerCleanup()], lint=True).run(captured.to_graph(), Config())
+    result = PassManager([GrapplerCleanup()], lint=True).run(captured.to_graph(), PassContext(Config()))
     assert result.iterations <= 2
 
 

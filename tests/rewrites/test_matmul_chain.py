@@ -29,7 +29,7 @@ def records(function: tfmem.TfmemFunction, *args: Any, status: str) -> list[tfme
 
 
 def rewritten_graph(function: tfmem.TfmemFunction, *args: Any) -> Graph:
-    return Graph(function.rewritten_graph_def(*args))
+    return Graph(function.report(*args).rewritten_graph_def)
 
 
 def largest_product(graph: Graph) -> int:
@@ -133,7 +133,7 @@ def traced_graph(fn: Callable[..., Any], args: Sequence[tf.Tensor]) -> Graph:
 def test_memory_estimate_goes_down(name: str, rng: np.random.Generator) -> None:
     fn, shapes, _ = CHAINS[name]
     graph = traced_graph(fn, inputs(rng, shapes, tf.float64))
-    result = tfmem.PassManager([ReorderMatMulChain()], lint=True).run(graph, tfmem.Config())
+    result = tfmem.PassManager([ReorderMatMulChain()], lint=True).run(graph, tfmem.PassContext(tfmem.Config()))
     assert tfmem.estimate_memory(result.graph).peak_bytes < tfmem.estimate_memory(graph).peak_bytes
 
 
@@ -202,7 +202,7 @@ def test_rejects_dynamic_shape() -> None:
         tf.TensorSpec([40, 1], tf.float32))
     graph = Graph(concrete.graph.as_graph_def(add_shapes=True),
                   outputs=[t.name for t in concrete.outputs])
-    result = tfmem.PassManager([ReorderMatMulChain()], lint=True).run(graph, tfmem.Config())
+    result = tfmem.PassManager([ReorderMatMulChain()], lint=True).run(graph, tfmem.PassContext(tfmem.Config()))
     (rejected,) = result.records
     assert rejected.status == "rejected"
     assert rejected.reason.startswith("dynamic shape: factor a:0 has shape (None, 30)")

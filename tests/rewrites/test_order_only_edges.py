@@ -9,6 +9,7 @@ import tfmem
 from rewrites.order_only_edges import DropOrderOnlyControlEdges
 from tfmem.capture import capture, import_as_function
 from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.passes import PassManager
 
 
@@ -29,7 +30,7 @@ def test_a_gradients_order_only_edges_are_dropped_and_the_values_stay(rng: np.ra
     captured = capture(tf.function(_cos_gradient, autograph=False).get_concrete_function(spec, spec))
     graph = captured.to_graph()
     assert any(graph.node(n).op == "Sin" for n in _waiting(graph))  # the traced gradient has the edge
-    result = PassManager([DropOrderOnlyControlEdges()], lint=True).run(graph, Config())
+    result = PassManager([DropOrderOnlyControlEdges()], lint=True).run(graph, PassContext(Config()))
     assert not _waiting(result.graph)
     assert result.records and result.records[0].details["edges"] >= 1
     x, y = tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(5, 3)))
@@ -51,7 +52,7 @@ def test_edges_on_the_way_to_an_effect_stay() -> None:
     graph = captured.to_graph()
     before = _waiting(graph)
     assert any(graph.node(n).op == "Sin" for n in before)
-    result = DropOrderOnlyControlEdges().run(graph, Config())
+    result = DropOrderOnlyControlEdges().run(graph, PassContext(Config()))
     assert any(result.graph.node(n).op == "Sin" for n in _waiting(result.graph))
 
 
@@ -64,7 +65,7 @@ def test_an_edge_from_an_effect_stays() -> None:
             return tf.identity(x) * 2.0
 
     captured = capture(tf.function(fn, autograph=False).get_concrete_function(tf.TensorSpec([3], tf.float64)))
-    result = DropOrderOnlyControlEdges().run(captured.to_graph(), Config())
+    result = DropOrderOnlyControlEdges().run(captured.to_graph(), PassContext(Config()))
     assert not result.modified
 
 

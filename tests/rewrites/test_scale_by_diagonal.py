@@ -54,12 +54,12 @@ def test_scale_by_diagonal_drops_the_matrix(name: str, rng: np.random.Generator)
     function = rewrite(fn)
     (fired,) = scale_records(function, *args, status="fired")
     assert fired.details["matrix_bytes"] == int(np.prod(shapes[0])) * N * 8
-    ops = Graph(function.rewritten_graph_def(*args)).op_counts()
+    ops = Graph(function.report(*args).rewritten_graph_def).op_counts()
     assert not set(ops) & {*DIAG_MATRIX_OPS, "MatMul", "BatchMatMulV2"}
     assert ops["Mul"] == (2 if name == "two_uses" else 1)
     concrete = tf.function(fn).get_concrete_function(*args)
     graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
-    after = tfmem.PassManager([ScaleByDiagonal()], lint=True).run(graph, tfmem.Config()).graph
+    after = tfmem.PassManager([ScaleByDiagonal()], lint=True).run(graph, tfmem.PassContext(tfmem.Config())).graph
     assert tfmem.estimate_memory(after).peak_bytes < tfmem.estimate_memory(graph).peak_bytes
 
 

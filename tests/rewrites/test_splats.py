@@ -9,6 +9,7 @@ import tfmem
 from rewrites.splats import LARGE_TENSOR_BYTES, CanonicalizeSplats, proto_splat_value, splat_value
 from tfmem.capture import capture
 from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import TensorRef
 from tfmem.passes import PassManager
 
@@ -26,7 +27,7 @@ def graph_of(fn, *specs):
 ], ids=["zeros_like", "ones_like", "broadcast_to"])
 def test_large_splats_become_fill_and_stop_reading_their_input(make) -> None:
     graph = graph_of(lambda x: make(x) * x, tf.TensorSpec([N, N], tf.float64))
-    result = PassManager([CanonicalizeSplats()], lint=True).run(graph, Config())
+    result = PassManager([CanonicalizeSplats()], lint=True).run(graph, PassContext(Config()))
     ops = result.graph.op_counts()
     assert ops.get("Fill") == 1 and not {"ZerosLike", "OnesLike", "BroadcastTo"} & set(ops), ops
     (fill,) = result.graph.find("Fill")
@@ -36,7 +37,7 @@ def test_large_splats_become_fill_and_stop_reading_their_input(make) -> None:
 
 def test_small_splats_are_left_to_grappler() -> None:
     graph = graph_of(lambda x: tf.raw_ops.ZerosLike(x=x) + x, tf.TensorSpec([4, 3], tf.float64))
-    result = PassManager([CanonicalizeSplats()]).run(graph, Config())
+    result = PassManager([CanonicalizeSplats()]).run(graph, PassContext(Config()))
     assert "ZerosLike" in result.graph.op_counts() and not result.records
 
 

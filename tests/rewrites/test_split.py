@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tfmem
 from benchmarks.cases import kernel_matrix, knn_indices, sgpr_model
 from rewrites.split import SplitOversizedRegions
-from rewrites.split.rules import DimClass, Operand, dim_classes
+from rewrites.split.op_rules import DimClass, Operand, dim_classes
 from tfmem import Config, Graph, TensorRef
 
 

@@ -33,7 +33,7 @@ def test_budget_alone_splits_until_the_estimate_fits(kernel_inputs) -> None:
     report = wrapped.report(*kernel_inputs)
     assert report.fits and report.memory_after.peak_bytes <= budget * PLANNING_FRACTION, str(report)
     assert report.memory_before.peak_bytes > budget and report.splits
-    assert report.summary().startswith("fits 8.0 MiB: estimated peak")
+    assert report.summary().startswith("fits 8.0 MiB (memory_budget): estimated peak")
     np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
 
 
@@ -77,8 +77,11 @@ def test_a_budget_that_cannot_be_met_is_loud_and_names_what_blocks_it(rng: np.ra
         np.testing.assert_allclose(wrapped(x).numpy(), solve(x).numpy(), rtol=1e-10)  # still runs
     report = wrapped.report(x)
     assert report.fits is False and report.summary().startswith("does NOT fit 4.0 MiB")
-    (missed,) = [r for r in report.rejected if r.kind == "budget"]
+    (missed,) = [r for r in report.rejected if r.kind == "plan"]
     assert "stays over the plan" in missed.reason and "MiB" in missed.reason
+    verdict = report.verdict  # the split pass's typed verdict, not a record to search for
+    assert verdict is not None and not verdict.fits and verdict.reason == missed.reason
+    assert verdict.peak_bytes > verdict.target_bytes == report.budget.plan_bytes
     shown = [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
     assert len(shown) == 1 and "may not fit its memory budget" in shown[0], shown
     strict = tfmem.function(solve, config={"memory_budget": "4MiB", "strict": True})
@@ -107,15 +110,33 @@ def test_zero_config_under_a_real_allocator_limit_fits_where_stock_xla_does_not(
     assert result.peak_bytes <= 160 * 2**20
 
 
+def test_a_threshold_under_a_real_allocator_limit_keeps_its_bound() -> None:
+    # A threshold over every tensor of this program (Kuf is 61 MiB) splits nothing by itself,
+    # and stock XLA plans over 160 MiB for it (see above): the allocator's 160 MiB still
+    # bounds it (before, any threshold switched that bound off, and this ran out of memory).
+    result = tfmem.run_isolated("benchmarks.budget_checks:run", "sgpr", (20_000, 400), "tfmem",
+                                {"tensor_size_threshold": "100MB"}, memory_limit_mb=160, timeout=None)
+    assert result.ok, result.error
+    assert result.value["summary"].startswith("fits "), result.value["summary"]
+    assert "(90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=160" in result.value["summary"], result.value["summary"]
+    assert result.peak_bytes <= 160 * 2**20
+
+
 def test_planning_again_for_another_budget_reuses_the_cleaned_up_graph(kernel_inputs, monkeypatch) -> None:
     prefixes = []
-    run_prefix = tfmem.PassManager.run_prefix
-    monkeypatch.setattr(tfmem.PassManager, "run_prefix",
-                        lambda self, *args: prefixes.append(run_prefix(self, *args)) or prefixes[-1])
+    fixed_point = tfmem.PassManager._fixed_point
+
+    def counting(self, graph, context, passes, **kwargs):
+        if not kwargs.get("skip_first_round") and not any(p.runs_once for p in passes):
+            prefixes.append(passes)
+        return fixed_point(self, graph, context, passes, **kwargs)
+
+    monkeypatch.setattr(tfmem.PassManager, "_fixed_point", counting)
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     loose = traced.rewrite(tfmem.Config(memory_budget="64MiB"))
     tight = traced.rewrite(tfmem.Config(memory_budget="8MiB"))
-    assert len(prefixes) == 1  # the budget-free passes ran once
+    assert len(prefixes) == 1  # the passes before the split ran once
+    assert loose.config.memory_budget == 64 * 2**20 and tight.config.memory_budget == 8 * 2**20
     assert tight.memory.peak_bytes < loose.memory.peak_bytes
     # The same graphs as a trace that plans for one budget only.
     again = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs).rewrite(tfmem.Config(memory_budget="8MiB"))
@@ -143,7 +164,8 @@ def test_a_re_plan_that_comes_out_worse_under_xla_is_not_kept(kernel_inputs, mon
     plans = iter([2 * budget, 5 * budget, 4 * budget])  # the first is over, each re-plan is worse
     monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 2))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
-    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), kernel_inputs, {})
+    config = tfmem.Config(memory_budget=budget)
+    kept = stages.compile_within_budget(traced, config, kernel_inputs, {})
     assert kept.checked_plan.total_bytes == 2 * budget  # the first plan, the least over
     assert any("came out worse" in r.reason for r in kept.rewritten.records)
     np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
@@ -163,3 +185,69 @@ def test_no_re_plan_when_the_static_plan_already_misses_its_target(kernel_inputs
     assert any(r.rule == "MemoryBudget" and r.status == "rejected" for r in kept.rewritten.records)
     assert any("not planning again" in r.reason for r in kept.rewritten.records)
     np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
+def test_a_re_plan_tightens_the_target_and_leaves_the_users_config_alone(kernel_inputs, monkeypatch) -> None:
+    from tfmem import stages
+    from tfmem.memory import XlaPlan
+
+    budget = 8 * 2**20
+    plans = iter([2 * budget, budget // 2])  # the first plan is twice over; the re-plan fits
+    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 4))
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    config = tfmem.Config(memory_budget=budget)
+    kept = stages.compile_within_budget(traced, config, kernel_inputs, {})
+    (note,) = [r for r in kept.rewritten.records if "next_target_bytes" in r.details]
+    first_target = tfmem.Budget(budget, "config").plan_bytes
+    assert kept.rewritten.context.target_bytes == note.details["next_target_bytes"] < first_target // 2 + 1
+    assert kept.rewritten.verdict.target_bytes == kept.rewritten.context.target_bytes
+    assert kept.rewritten.config == config and kept.rewritten.budget.nbytes == budget
+    report = tfmem.Report.of(traced, kept, config=config)
+    assert report.config == config and report.config.memory_budget == budget
+
+
+def test_a_budget_from_the_device_plans_without_writing_itself_into_the_config(kernel_inputs) -> None:
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    device = tfmem.Budget(8 * 2**20, "a device's")
+    from_device = traced.rewrite(tfmem.Config(), budget=device)
+    from_config = traced.rewrite(tfmem.Config(memory_budget=8 * 2**20))
+    assert from_device.config == tfmem.Config() and from_device.budget == device
+    assert from_device.context.target_bytes == device.plan_bytes == from_config.context.target_bytes
+    assert from_device.graph.op_counts() == from_config.graph.op_counts()  # the same plan either way
+    assert from_device.verdict.fits and from_device.report.config.memory_budget is None
+
+
+def test_a_threshold_keeps_the_device_bound_unless_the_budget_is_off(kernel_inputs, monkeypatch) -> None:
+    # The device's limit (here the CPU allocator's, as its environment states it) bounds the
+    # whole program whatever threshold is set: a threshold over every tensor splits nothing,
+    # the bound still splits the [N, N] kernel matrix (17.2 MiB) to fit 90% of 16 MiB.
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "1")
+    monkeypatch.setenv("TF_CPU_BFC_MEM_LIMIT_IN_MB", "16")
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    bounded = traced.rewrite(tfmem.Config(tensor_size_threshold="100MB"), device="CPU:0")
+    assert bounded.budget is not None and "TF_CPU_BFC_MEM_LIMIT_IN_MB=16" in bounded.budget.source
+    assert bounded.verdict.fits and bounded.memory.peak_bytes <= bounded.budget.plan_bytes
+    assert bounded.graph.op_counts().get("StatelessWhile", 0) + bounded.graph.op_counts().get("While", 0) >= 1
+    assert bounded.report.summary().startswith("fits ") and "(90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=16)" in \
+        bounded.report.summary()
+    off = traced.rewrite(tfmem.Config(tensor_size_threshold="100MB", memory_budget="off"), device="CPU:0")
+    assert off.budget is None and off.verdict is None and not off.modified or not any(
+        r.kind == "split" and r.status == "fired" for r in off.records)
+    assert off.memory.peak_bytes > bounded.budget.nbytes  # per-tensor semantics: nothing over 100 MB
+    assert off.report.summary().startswith("no bound (memory_budget: off)")
+
+
+def test_a_threshold_that_gives_way_to_the_budget_warns_naming_both_numbers() -> None:
+    from benchmarks.cases import sgpr_loss_and_gradients
+
+    wrapped = tfmem.function(sgpr_loss_and_gradients(10_000, 300),
+                             config={"tensor_size_threshold": "1MB", "memory_budget": "6MiB"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = wrapped.report()
+    shown = [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
+    assert report.verdict.threshold_dropped and len(shown) == 1, shown
+    # One warning, naming the threshold, the budget, and the plan each one reached.
+    assert "tensor_size_threshold not honoured" in shown[0] and "6.0 MiB" in shown[0], shown[0]
+    assert "tensor_size_threshold 976.6 KiB left the static peak at" in shown[0], shown[0]
+    assert "planned by the memory budget alone" in shown[0], shown[0]

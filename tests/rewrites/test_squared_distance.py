@@ -11,6 +11,7 @@ from rewrites.grappler_cleanup import GrapplerCleanup
 from rewrites.squared_distance import KEEP_NAIVE_UP_TO_D, ExpandSquaredDistance
 from tfmem.capture import capture
 from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.memory import estimate_memory, xla_planned_bytes
 from tfmem.wrapper import TfmemFunction
@@ -106,7 +107,7 @@ def test_rule_alone_on_the_traced_graph_replaces_forward_and_backward(rng):
     fn = with_gradients(FORMS["expand_dims_square"])
     concrete = tf.function(fn).get_concrete_function(tf.TensorSpec([7, 3]), tf.TensorSpec([5, 3]))
     graph = capture(concrete).to_graph()
-    result = ExpandSquaredDistance().run(graph, Config())
+    result = ExpandSquaredDistance().run(graph, PassContext(Config()))
     (record,) = result.records
     assert record.status == "fired" and record.details["exits"] == 3  # Σ_d, Σ_j (dx), Σ_i (dy)
     assert big_tensors(result.graph.to_graph_def(), 7, 5, 3) == []
@@ -134,12 +135,12 @@ def test_sqrt_is_clamped_where_the_expansion_cancels(rng):
     wrapped = TfmemFunction(fn, config=CONFIG, passes=PASSES, lint=True)
     got = wrapped(x, x).numpy()  # the diagonal is 0 exactly in the naive form
     assert not np.any(np.isnan(got))
-    assert {"Maximum"} <= {n.op for n in wrapped.rewritten_graph_def(x, x).node}
+    assert {"Maximum"} <= {n.op for n in wrapped.report(x, x).rewritten_graph_def.node}
 
 
 def _reason(fn, *specs):
     graph = capture(tf.function(fn).get_concrete_function(*specs)).to_graph()
-    records = ExpandSquaredDistance().run(graph, Config()).records
+    records = ExpandSquaredDistance().run(graph, PassContext(Config())).records
     assert records and all(r.status == "rejected" for r in records), [str(r) for r in records]
     return records[0].reason
 
@@ -168,7 +169,7 @@ def test_memory_estimate_goes_down(rng):
     concrete = tf.function(fn).get_concrete_function(tf.TensorSpec([40, 8]), tf.TensorSpec([30, 8]))
     graph = capture(concrete).to_graph()
     before = estimate_memory(graph).peak_bytes
-    after = estimate_memory(ExpandSquaredDistance().run(graph.copy(), Config()).graph).peak_bytes
+    after = estimate_memory(ExpandSquaredDistance().run(graph.copy(), PassContext(Config())).graph).peak_bytes
     assert after < before / 2
 
 
@@ -176,7 +177,7 @@ def test_rejected_region_leaves_graph_unchanged():
     fn = lambda x, y: tf.reduce_sum(tf.abs(x[:, None] - y[None]), -1)  # noqa: E731
     graph: Graph = capture(tf.function(fn).get_concrete_function(*SPECS)).to_graph()
     before = graph.to_graph_def()
-    result = ExpandSquaredDistance().run(graph, Config())
+    result = ExpandSquaredDistance().run(graph, PassContext(Config()))
     assert not result.modified
     assert [n.name for n in result.graph.to_graph_def().node] == [n.name for n in before.node]
     assert result.graph.spec(TensorRef("sub")).shape.as_list() == [7, 5, 3]
@@ -184,7 +185,7 @@ def test_rejected_region_leaves_graph_unchanged():
 
 def _forward_records(fn, config, *specs):
     graph = capture(tf.function(fn).get_concrete_function(*specs)).to_graph()
-    return ExpandSquaredDistance().run(graph, Config.from_mapping(config)).records
+    return ExpandSquaredDistance().run(graph, PassContext(Config.from_mapping(config))).records
 
 
 @pytest.mark.parametrize("form", ["expand_dims_square", "euclidean_norm", "mean_keepdims"])

@@ -30,9 +30,30 @@ def test_config_budget_wins_over_the_device() -> None:
     assert budget == Budget(2 * 2**30, "config")
 
 
-def test_a_threshold_without_a_budget_means_no_budget() -> None:
-    # The expert override: split by threshold only, as before budgets existed.
-    assert resolve_budget(Config(tensor_size_threshold="64MB"), environ=BFC_1GIB, gpu_limits=two_gpus) is None
+def test_a_threshold_does_not_lift_the_device_bound() -> None:
+    # Thresholds add splits; the device's limit still bounds the whole program.
+    with_threshold = resolve_budget(Config(tensor_size_threshold="64MB"), "CPU:0", environ=BFC_1GIB,
+                                    in_use=lambda device: (0, 0))
+    assert with_threshold == resolve_budget(Config(), "CPU:0", environ=BFC_1GIB, in_use=lambda device: (0, 0))
+    assert with_threshold.nbytes == CPU_1GIB and with_threshold.origin == "90% of TF_CPU_BFC_MEM_LIMIT_IN_MB=1024"
+    explicit = resolve_budget(Config(tensor_size_threshold="64MB", memory_budget="2GiB"), environ=BFC_1GIB)
+    assert explicit == Budget(2 * 2**30, "config") and explicit.origin == "memory_budget"
+
+
+@pytest.mark.parametrize("off", ["off", "OFF", False, "false"])
+def test_memory_budget_off_opts_out_of_every_bound(off) -> None:
+    config = Config(tensor_size_threshold="64MB", memory_budget=off)
+    assert config.budget_off and config.memory_budget == "off"
+    assert resolve_budget(config, "CPU:0", environ=BFC_1GIB, in_use=lambda device: (0, 0)) is None
+    assert resolve_budget(config, environ=BFC_1GIB, gpu_limits=two_gpus) is None
+
+
+def test_memory_budget_off_from_yaml_where_a_bare_off_reads_as_false(tmp_path) -> None:
+    path = tmp_path / "per_tensor.yaml"
+    path.write_text("tensor_size_threshold: 64MB\nmemory_budget: off\n")
+    assert Config.from_yaml(path).budget_off
+    with pytest.raises(ValueError, match="tensor_split_size"):
+        Config(tensor_split_size="1MB", memory_budget="off")  # nothing for a split size to apply to
 
 
 def test_no_split_stage_means_no_budget() -> None:

@@ -90,7 +90,9 @@ def test_replica_budget_prefers_the_configs_budget(monkeypatch: pytest.MonkeyPat
     assert budget is not None and budget.nbytes == int(1024 * MiB * CPU_SAFETY_FRACTION) // 2
     assert "shared by 2 replicas" in budget.source
     assert replica_budget(SPLIT, replica).nbytes == SPLIT.memory_budget  # per replica already
-    assert replica_budget(Config(tensor_size_threshold="1MB"), replica) is None  # the expert override
+    # A threshold adds splits and keeps the replica's share as its bound; `off` opts out.
+    assert replica_budget(Config(tensor_size_threshold="1MB"), replica) == budget
+    assert replica_budget(Config(tensor_size_threshold="1MB", memory_budget="off"), replica) is None
     monkeypatch.delenv("TF_CPU_BFC_MEM_LIMIT_IN_MB")
     assert replica_budget(Config(), replica) is None
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from rewrites import PASSES_BY_STAGE, passes_for
 from rewrites.cleanup import ForwardIdentities
-from tfmem import Config, Graph, GraphPass, PassError, PassManager, PassResult, RewriteRecord, TensorRef
+from tfmem import Config, Graph, GraphPass, PassContext, PassError, PassManager, PassResult, RewriteRecord, TensorRef
 
 
 def graph_of(fn, *specs) -> Graph:
@@ -21,9 +21,9 @@ def _identities(x):
 class _RemoveOneIdentity(GraphPass):
     """Forwards a single Identity per run, so reaching the fixed point takes rounds."""
 
-    name, stage = "remove_one", "cleanup"
+    name, stage, reads = "remove_one", "cleanup", frozenset()
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         for node in graph.find("Identity"):
             ref = TensorRef(node.name)
             if not graph.is_output(ref):
@@ -36,7 +36,7 @@ class _RemoveOneIdentity(GraphPass):
 class _BreakGraph(GraphPass):
     name, stage = "break_graph", "cleanup"
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         (exp,) = list(graph.find("Exp"))
         graph.node(exp.name).input[0] = "missing_node"
         graph._changed()
@@ -45,7 +45,7 @@ class _BreakGraph(GraphPass):
 
 def test_runs_to_a_fixed_point_and_keeps_records_once() -> None:
     graph = graph_of(_identities, tf.TensorSpec([3], tf.float32))
-    result = PassManager([_RemoveOneIdentity()], lint=True).run(graph, Config())
+    result = PassManager([_RemoveOneIdentity()], lint=True).run(graph, PassContext(Config()))
     assert "Identity" in graph.op_counts()  # the input graph is untouched
     ops = result.graph.op_counts()
     assert ops["Identity"] == 1  # only the output's Identity stays
@@ -57,7 +57,7 @@ def test_runs_to_a_fixed_point_and_keeps_records_once() -> None:
 def test_lint_names_the_pass_that_broke_the_graph() -> None:
     graph = graph_of(_identities, tf.TensorSpec([3], tf.float32))
     with pytest.raises(PassError, match="break_graph.*missing") as info:
-        PassManager([_BreakGraph()], lint=True).run(graph, Config())
+        PassManager([_BreakGraph()], lint=True).run(graph, PassContext(Config()))
     assert info.value.pass_name == "break_graph"
 
 
@@ -69,7 +69,7 @@ def test_forward_identities_keeps_outputs_and_effects() -> None:
         return tf.identity(tf.exp(tf.identity(x)))
 
     graph = graph_of(fn, tf.TensorSpec([3], tf.float32))
-    result = PassManager([ForwardIdentities()], lint=True).run(graph, Config())
+    result = PassManager([ForwardIdentities()], lint=True).run(graph, PassContext(Config()))
     assert result.graph.op_counts()["AssignAddVariableOp"] == 1
     assert all(result.graph.node(o.node).op == "Identity" for o in result.graph.outputs)
     assert result.graph.op_counts()["Identity"] < graph.op_counts()["Identity"]
@@ -88,42 +88,62 @@ class _CountRuns(_RemoveOneIdentity):
     def __init__(self) -> None:
         self.runs = 0
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
         self.runs += 1
-        return super().run(graph, config)
+        return super().run(graph, context)
 
 
-class _RecordBudget(GraphPass):
-    """Reads the budget: records it, changes nothing."""
+class _RecordTarget(GraphPass):
+    """Runs once, reads the context's target: records it, changes nothing."""
 
-    name, stage, reads_budget = "record_budget", "split", True
+    name, stage, runs_once, reads = "record_target", "split", True, frozenset({"memory_budget"})
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
-        return PassResult(graph, False, [RewriteRecord(self.name, "budget", "info",
-                                                       details={"budget": config.memory_budget})])
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        return PassResult(graph, False, [RewriteRecord(self.name, "target", "info",
+                                                       details={"target": context.target_bytes})],
+                          verdict=("target", context.target_bytes))
 
 
-def test_the_budget_free_prefix_runs_once_and_is_reused_for_another_budget() -> None:
+def test_the_prefix_runs_once_and_is_reused_for_another_target_and_budget() -> None:
     graph = graph_of(_identities, tf.TensorSpec([3], tf.float32))
     counter = _CountRuns()
-    manager = PassManager([counter, _RecordBudget()], lint=True)
-    prefix = manager.run_prefix(graph, Config())
-    assert counter.runs == 3 and prefix.graph.op_counts()["Identity"] == 1  # to its fixed point
+    manager = PassManager([counter, _RecordTarget()], lint=True)
+    cache: dict = {}
+    first = manager.run(graph, PassContext(Config()), cache=cache)
+    assert counter.runs == 3 and first.prefix.graph.op_counts()["Identity"] == 1  # to its fixed point
+    assert list(cache.values()) == [first.prefix]
     runs_before = counter.runs
-    for budget in (1 << 20, 1 << 10):
-        result = manager.run(graph, Config(memory_budget=budget), prefix=prefix)
-        assert [r.details["budget"] for r in result.records if r.pass_name == "record_budget"] == [budget]
-        assert result.graph.op_counts() == prefix.graph.op_counts()
-    # From a reused prefix the first round starts at the budget pass; it changed nothing,
-    # so the prefix pass does not run again.
+    for budget, target in ((1 << 20, 1 << 19), (1 << 10, 1 << 9)):
+        result = manager.run(graph, PassContext(Config(memory_budget=budget), None, target), cache=cache)
+        assert [r.details["target"] for r in result.records if r.pass_name == "record_target"] == [target]
+        assert result.verdicts == {"record_target": ("target", target)}
+        assert result.graph.op_counts() == first.prefix.graph.op_counts()
+        assert result.prefix is first.prefix and result.seconds["remove_one"] == 0.0
+    # From a reused prefix the first round starts at the pass that runs once; it changed
+    # nothing, so the prefix pass does not run again.
     assert counter.runs == runs_before
-    assert prefix.graph.op_counts()["Identity"] == 1  # the shared prefix is not edited
+    assert first.prefix.graph.op_counts()["Identity"] == 1  # the shared prefix is not edited
 
 
-def test_run_without_a_prefix_equals_run_with_it() -> None:
+def test_the_prefix_key_follows_the_config_keys_its_passes_read() -> None:
+    manager = PassManager([_RemoveOneIdentity(), _RecordTarget()])
+    key = manager.prefix_key(PassContext(Config()))
+    assert key == manager.prefix_key(PassContext(Config(memory_budget="1GiB", strict=True)))
+
+    class _ReadsAnything(_RemoveOneIdentity):
+        reads = None  # says nothing: any config key may change its result
+
+    careful = PassManager([_ReadsAnything(), _RecordTarget()])
+    assert careful.prefix_key(PassContext(Config())) != careful.prefix_key(PassContext(Config(strict=True)))
+
+
+def test_run_with_a_cached_prefix_equals_run_without() -> None:
     graph = graph_of(_identities, tf.TensorSpec([3], tf.float32))
-    manager = PassManager([_RemoveOneIdentity(), _RecordBudget()])
-    alone = manager.run(graph, Config(memory_budget=1024))
-    shared = manager.run(graph, Config(memory_budget=1024), prefix=manager.run_prefix(graph, Config()))
+    manager = PassManager([_RemoveOneIdentity(), _RecordTarget()])
+    context = PassContext(Config(memory_budget=1024), None, 1000)
+    alone = manager.run(graph, context)
+    cache: dict = {}
+    manager.run(graph, PassContext(Config()), cache=cache)
+    shared = manager.run(graph, context, cache=cache)
     assert alone.graph.to_graph_def() == shared.graph.to_graph_def()
     assert [str(r) for r in alone.records] == [str(r) for r in shared.records]

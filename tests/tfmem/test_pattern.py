@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfmem.capture import capture, import_as_function
 from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import PassManager
 from tfmem.pattern import (KEPT, Emitted, Pattern, RegionRule, RewriteRule, RuleSet, describe_reader,
@@ -116,7 +117,7 @@ def test_rule_fires_and_replacement_gets_constants_as_values(rng, dtype):
         return tf.reduce_sum(x * x, axis=axis)
 
     result = RewriteRule("SumOfSquaresAsProduct", _sum_of_squares, replacement=replacement).run(
-        graph, Config())
+        graph, PassContext(Config()))
     assert [r.status for r in result.records] == ["fired"]
     assert int(seen["axis"]) == -1
     assert "Square" not in ops_of(result.graph) and not result.graph.lint()
@@ -128,7 +129,7 @@ def test_check_rejects_with_a_reason():
     rule = RewriteRule("SumOfSquaresAsProduct", _sum_of_squares,
                        replacement=lambda x, axis: tf.reduce_sum(x * x, axis),
                        check=lambda g, m: "only float64" if g.spec(m["x"]).dtype != tf.float64 else None)
-    result = rule.run(graph, Config())
+    result = rule.run(graph, PassContext(Config()))
     (record,) = result.records
     assert (record.status, record.reason) == ("rejected", "only float64")
     assert not result.modified and "Square" in ops_of(result.graph)
@@ -142,7 +143,7 @@ def test_rejects_matches_that_are_not_self_contained():
     graph = graph_of(fn, SPEC)
     rule = RewriteRule("SumOfSquaresAsProduct", _sum_of_squares,
                        replacement=lambda x, axis: tf.reduce_sum(x * x, axis))
-    (record,) = rule.run(graph, Config()).records
+    (record,) = rule.run(graph, PassContext(Config())).records
     assert record.status == "rejected"
     assert record.reason.startswith("not self-contained: Square:0 is also read by Exp")
 
@@ -155,7 +156,7 @@ def test_rule_set_applies_the_largest_pattern_first():
                         replacement=lambda x: tf.abs(x))
     rule_set = RuleSet([small, large])
     assert [r.name for r in rule_set.rules] == ["SqrtOfSquareAsAbs", "SquareAsProduct"]
-    result = rule_set.run(graph, Config())
+    result = rule_set.run(graph, PassContext(Config()))
     assert [(r.rule, r.status) for r in result.records] == [("SqrtOfSquareAsAbs", "fired")]
     assert "Abs" in ops_of(result.graph) and not {"Square", "Sqrt"} & ops_of(result.graph)
 
@@ -166,7 +167,7 @@ def test_rules_run_under_the_pass_manager(rng):
     rule = RewriteRule("DoubleNegation", lambda op, x: op.Neg(op.Neg(x)),
                        replacement=lambda x: tf.identity(x))
     assert rule.stage == "match_and_replace"
-    result = PassManager([rule], lint=True).run(graph, Config())
+    result = PassManager([rule], lint=True).run(graph, PassContext(Config()))
     assert "Neg" not in ops_of(result.graph)
     x = rng.normal(size=(4, 3)).astype(np.float32)
     np.testing.assert_array_equal(run_rewritten(fn, result.graph, x), x)
@@ -273,7 +274,7 @@ class _NegatedExp(RegionRule):
 def test_region_rule_records_every_region(dtype, fail, status, reason, rng):
     fn = lambda x: tf.exp(-x)  # noqa: E731
     graph = graph_of(fn, tf.TensorSpec([4, 3], dtype))
-    result = _NegatedExp(fail).run(graph, Config())
+    result = _NegatedExp(fail).run(graph, PassContext(Config()))
     (record,) = result.records
     assert (record.pass_name, record.rule, record.status, record.reason) == ("negated_exp", "NegatedExp", status, reason)
     assert result.modified == (status == "fired")

@@ -15,7 +15,7 @@ Every rejection carries a reason; records say what fired and what was rejected, 
 Example:
     >>> rule = RewriteRule("DoubleNegation", lambda op, x: op.Neg(op.Neg(x)),
     ...                    replacement=lambda x: tf.identity(x))
-    >>> [str(r) for r in rule.run(graph, Config()).records]
+    >>> [str(r) for r in rule.run(graph, PassContext(Config())).records]
     ['[DoubleNegation] DoubleNegation fired at Neg_1']
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ from tfmem.pattern.containment import (GRAPH_OUTPUT, KEPT, OutsideReader, descri
 from tfmem.pattern.language import (COMMUTATIVE_OPS, AnyOf, ConstPattern, OpBuilder, OpFactory, OpNode,
                                     PatternNode, SpecPredicate, Var, attr_value)
 from tfmem.pattern.matcher import Match, Pattern, Requirement
-from tfmem.pattern.rules import Emitted, Region, RegionRule, RewriteRule, RuleMatch, RuleSet, live_nodes
+from tfmem.pattern.rules import Emitted, MatchedRegion, RegionRule, RewriteRule, RuleMatch, RuleSet, live_nodes
 
-__all__ = ["COMMUTATIVE_OPS", "GRAPH_OUTPUT", "KEPT", "AnyOf", "ConstPattern", "Emitted", "Match", "OpBuilder",
-           "OpFactory", "OpNode", "OutsideReader", "Pattern", "PatternNode", "Region", "RegionRule",
+__all__ = ["COMMUTATIVE_OPS", "GRAPH_OUTPUT", "KEPT", "AnyOf", "ConstPattern", "Emitted", "Match", "MatchedRegion", "OpBuilder",
+           "OpFactory", "OpNode", "OutsideReader", "Pattern", "PatternNode", "RegionRule",
            "Requirement", "RewriteRule", "RuleMatch", "RuleSet", "SpecPredicate", "Var", "attr_value",
            "describe_reader", "live_nodes", "outside_readers", "outside_uses", "self_containment_reason", "sole_reader"]

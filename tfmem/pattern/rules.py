@@ -24,7 +24,7 @@ Example:
     ...     replacement=lambda x, axis: tf.reduce_sum(x * x, axis=axis),
     ...     check=lambda graph, match: None if graph.spec(match["x"]).dtype.is_floating
     ...     else "only floating-point tensors")
-    >>> result = rule.run(graph, Config())
+    >>> result = rule.run(graph, PassContext(Config()))
     >>> [str(r) for r in result.records]
     ['[SumOfSquaresAsDot] SumOfSquaresAsDot fired at Sum']
 """
@@ -40,6 +40,7 @@ import tensorflow as tf
 from tensorflow.core.framework.node_def_pb2 import NodeDef
 
 from tfmem.config import Config
+from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 from tfmem.pattern.containment import outside_uses
@@ -70,7 +71,7 @@ class RewriteRule(GraphPass):
         >>> graph = capture(f.get_concrete_function(tf.TensorSpec([3]))).to_graph()
         >>> rule = RewriteRule("DoubleNegation", lambda op, x: op.Neg(op.Neg(x)),
         ...                    replacement=lambda x: tf.identity(x))
-        >>> rule.run(graph, Config()).records[0].status
+        >>> rule.run(graph, PassContext(Config())).records[0].status
         'fired'
     """
 
@@ -113,8 +114,8 @@ class RewriteRule(GraphPass):
         (new,) = graph.splice(build, [match[n] for n in tensor_names], scope=self.name)
         return {match.root: new}
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
-        return RuleSet([self], name=self.name).run(graph, config)
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        return RuleSet([self], name=self.name).run(graph, context)
 
 
 # --- region rules ------------------------------------------------------------------------
@@ -139,14 +140,14 @@ def live_nodes(graph: Graph, ops: Iterable[str], *, consumers_first: bool = Fals
             yield node
 
 
-class Region(Protocol):
+class MatchedRegion(Protocol):
     """What a `RegionRule` finds: anything naming its nodes (records name them, anchor first)."""
 
     @property
     def nodes(self) -> tuple[str, ...]: ...
 
 
-RegionT = TypeVar("RegionT", bound=Region)
+RegionT = TypeVar("RegionT", bound=MatchedRegion)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +187,7 @@ class RegionRule(GraphPass, Generic[RegionT]):
         ...     def emit(self, graph, match):
         ...         graph.replace_all_uses(match.root, match["x"])
         ...         return Emitted()
-        >>> [r.status for r in DropDoubleNegation().run(graph, Config()).records]
+        >>> [r.status for r in DropDoubleNegation().run(graph, PassContext(Config())).records]
         ['fired']
     """
 
@@ -212,8 +213,8 @@ class RegionRule(GraphPass, Generic[RegionT]):
         """Details for a rejected region's record (none by default)."""
         return {}
 
-    def run(self, graph: Graph, config: Config) -> PassResult:
-        return self.rewrite(graph, config, self.find(graph))
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        return self.rewrite(graph, context.config, self.find(graph))
 
     def rewrite(self, graph: Graph, config: Config, regions: Iterable[RegionT]) -> PassResult:
         """The loop `run` runs over `find`'s regions; for a pass that finds them its own way."""
@@ -265,7 +266,7 @@ class RuleSet(RegionRule[RuleMatch]):
         >>> from tfmem.capture import capture
         >>> f = tf.function(lambda x: tf.exp(tf.reshape(x, [2, 3])))   # x is [2, 3]: a no-op reshape
         >>> graph = capture(f.get_concrete_function(tf.TensorSpec([2, 3]))).to_graph()
-        >>> result = RuleSet(no_op_folds()).run(graph, Config())
+        >>> result = RuleSet(no_op_folds()).run(graph, PassContext(Config()))
         >>> [(r.rule, r.status, r.reason) for r in result.records]
         [('FoldNoOpReshape', 'fired', '')]
     """
@@ -295,4 +296,4 @@ class RuleSet(RegionRule[RuleMatch]):
         return Emitted(details=dict(region.match.state.get("details", {})))
 
 
-__all__ = ["Emitted", "Region", "RegionRule", "RewriteRule", "RuleMatch", "RuleSet", "live_nodes"]
+__all__ = ["Emitted", "MatchedRegion", "RegionRule", "RewriteRule", "RuleMatch", "RuleSet", "live_nodes"]

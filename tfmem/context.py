@@ -1,0 +1,51 @@
+"""`PassContext`: what every pass is handed beside the graph.
+
+The config as the user gave it, the budget resolved from it (or from the device), and
+the target the static estimate of the rewritten program must reach. The budget's path
+through the code is one straight line: config → `Budget` (`tfmem.budget`, which applies
+the planning margin) → this context → the split planner → loop chunk sizes. A re-plan
+tightens the target here; it never rewrites the user's config.
+
+Example:
+    >>> from tfmem.budget import Budget
+    >>> context = PassContext.for_budget(Config(memory_budget="1GiB"), Budget(2**30, "config"))
+    >>> context.target_bytes == Budget(2**30, "config").plan_bytes
+    True
+    >>> context.tightened(500 * 2**20).target_bytes, context.tightened(500 * 2**20).config == context.config
+    (524288000, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tfmem.budget import Budget
+from tfmem.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """The inputs of a pass other than the graph.
+
+    Attributes:
+        config: the config as the user gave it (never rewritten by tfmem).
+        budget: the resolved memory budget (None: no bound, nothing is planned to one).
+        target_bytes: what the static estimate of the rewritten program must reach
+            (`budget.plan_bytes` at first; `compile_within_budget` tightens it when XLA's
+            plan needs more); None without a budget.
+
+    `budget` and `target_bytes` derive from the config key `memory_budget` (and the
+    device): a pass that reads them declares `memory_budget` in its `GraphPass.reads`.
+    """
+
+    config: Config
+    budget: Budget | None = None
+    target_bytes: int | None = None
+
+    @classmethod
+    def for_budget(cls, config: Config, budget: Budget | None) -> PassContext:
+        """The context of a first plan: the target is the budget's planning share."""
+        return cls(config, budget, budget.plan_bytes if budget is not None else None)
+
+    def tightened(self, target_bytes: int) -> PassContext:
+        """The same context planning to a smaller target (a re-plan)."""
+        return dataclasses.replace(self, target_bytes=target_bytes)
