@@ -24,11 +24,7 @@ NOT_RUN_YET: dict[str, str] = {
     "tfmem": "façade example prints a full report with no expected output (issue 12 reshapes Report)",
     "tfmem.graph": "engine module under rewrite (issue 12, part 3)",
     "tfmem.wrapper": "engine module under rewrite (issue 12, part 2: stages)",
-    "tfmem.pattern": "engine module under rewrite (issue 12, part 1: split into language/matcher/rules)",
-    "tfmem.passes": "engine module under rewrite (issue 12, part 1)",
     "tfmem.memory": "engine module under rewrite (issue 12, part 3)",
-    "tfmem.capture": "engine module under rewrite (issue 12, part 3)",
-    "tfmem.report": "engine module under rewrite (issue 12, part 2: Report as a view over stages)",
 }
 
 

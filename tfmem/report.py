@@ -5,10 +5,20 @@ signature; `explain` adds XLA's planned bytes. Printing it leads with one line a
 newcomer understands, then the details.
 
 Example:
-    >>> report = tfmem.explain(f, x)
-    >>> print(report)                      # "fits 1.0 GiB (memory_budget): estimated peak 780 MiB, was 14.8 GiB; ..."
-    >>> [r.rule for r in report.fired]     # structured access
-    >>> report.write_pbtxt("rewritten.pbtxt"); report.write_tensorboard("logs/")
+    >>> import tensorflow as tf, tfmem
+    >>> def f(x):
+    ...     return tf.reduce_sum(tf.exp(x @ tf.transpose(x)), -1)     # [n, n] inside
+    >>> report = tfmem.explain(tfmem.function(f, config={"memory_budget": "8MiB"}),
+    ...                        tf.ones([2000, 4], tf.float64))
+    >>> print(report.summary())                                       # then print(report): the details
+    fits 8.0 MiB (memory_budget): estimated peak ... MiB, was 61.1 MiB (XLA plans ... MiB); 1 loop in ... chunks
+    >>> [(r.details["dim"], r.details["sinks"]) for r in report.splits]  # structured access
+    [(1, 'sum')]
+    >>> report.verdict.fits, report.config.memory_budget == 8 * 2**20
+    (True, True)
+
+    `report.write_pbtxt("rewritten.pbtxt")` and `report.write_tensorboard("logs/")` save
+    the rewritten graph.
 """
 from __future__ import annotations
 

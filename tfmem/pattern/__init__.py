@@ -13,6 +13,11 @@
 Every rejection carries a reason; records say what fired and what was rejected, and why.
 
 Example:
+    >>> import tensorflow as tf
+    >>> from tfmem.capture import capture
+    >>> from tfmem.config import Config
+    >>> from tfmem.context import PassContext
+    >>> graph = capture(tf.function(lambda x: -(-x)).get_concrete_function(tf.TensorSpec([3]))).to_graph()
     >>> rule = RewriteRule("DoubleNegation", lambda op, x: op.Neg(op.Neg(x)),
     ...                    replacement=lambda x: tf.identity(x))
     >>> [str(r) for r in rule.run(graph, PassContext(Config())).records]
