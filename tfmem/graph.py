@@ -125,6 +125,12 @@ def set_node_inputs(node: node_def_pb2.NodeDef, inputs: Iterable[TensorRef],
     return node
 
 
+def function_tensor_node(text: str) -> str:
+    """The node a FunctionDef tensor string names: `"node:output_arg:index"` → `"node"`;
+    a function argument's name is itself."""
+    return text.split(":")[0]
+
+
 def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:
     data: list[TensorRef] = []
     control: list[str] = []
@@ -671,31 +677,6 @@ class Graph:
         graph_def.library.CopyFrom(self.library)
         graph_def.versions.CopyFrom(self.versions)
         return graph_def
-
-    def while_passthrough(self, name: str) -> dict[int, int]:
-        """Outputs of a `While` node that are its inputs handed through unchanged: index → index.
-
-        A loop's invariants (e.g. captured tensors) are loop variables its body returns as
-        they came; the loop's outputs then share their buffers and allocate nothing.
-        """
-        node = self.node(name)
-        if node.op not in ("While", "StatelessWhile") or self.function(node.attr["body"].func.name) is None:
-            return {}
-        body = self.function(node.attr["body"].func.name)
-        args = {arg.name: i for i, arg in enumerate(body.signature.input_arg)}
-        producers = {n.name: n for n in body.node_def}
-        passed = {}
-        for index, out in enumerate(body.signature.output_arg):
-            # FunctionDef tensors are "node:output_arg:index"; follow Identity chains back.
-            source = body.ret[out.name]
-            while source not in args:
-                producer = producers.get(source.split(":")[0])
-                if producer is None or producer.op != "Identity":
-                    break
-                source = producer.input[0]
-            if args.get(source) == index:
-                passed[index] = index
-        return passed
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

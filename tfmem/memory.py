@@ -24,7 +24,7 @@ from tensorflow.core.framework import graph_pb2
 
 from tfmem.config import format_size
 from tfmem.errors import first_line
-from tfmem.graph import ALIASING_OPS, Graph, TensorRef, keep_functions_alive
+from tfmem.graph import ALIASING_OPS, Graph, TensorRef, function_tensor_node, keep_functions_alive
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,32 @@ def estimate_memory(graph: Graph | graph_pb2.GraphDef, *, outputs: Any = ()) -> 
     return _Estimator(graph).run()
 
 
+def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
+    """Outputs of a `While` node that are its inputs handed through unchanged: index → index.
+
+    A loop's invariants (e.g. captured tensors) are loop variables its body returns as
+    they came; the loop's outputs then share their buffers and allocate nothing.
+    """
+    node = graph.node(name)
+    if node.op not in ("While", "StatelessWhile") or graph.function(node.attr["body"].func.name) is None:
+        return {}
+    body = graph.function(node.attr["body"].func.name)
+    args = {arg.name: i for i, arg in enumerate(body.signature.input_arg)}
+    producers = {n.name: n for n in body.node_def}
+    passed = {}
+    for index, out in enumerate(body.signature.output_arg):
+        # FunctionDef tensors are "node:output_arg:index"; follow Identity chains back.
+        source = body.ret[out.name]
+        while source not in args:
+            producer = producers.get(function_tensor_node(source))
+            if producer is None or producer.op != "Identity":
+                break
+            source = producer.input[0]
+        if args.get(source) == index:
+            passed[index] = index
+    return passed
+
+
 # (function name, argument shapes) → (peak bytes beyond its arguments, unknown tensors).
 # Library function names are unique in a process, and estimating a body means importing
 # it into a scratch graph: every estimate of a graph with loops would pay that again.
@@ -131,7 +157,7 @@ class _Estimator:
         for name in order:
             node = graph.node(name)
             inputs = graph.inputs(name)
-            passed = graph.while_passthrough(name)
+            passed = while_passthrough(graph, name)
             for index in range(len(graph.output_specs(name))):
                 ref = TensorRef(name, index)
                 if node.op in ALIASING_OPS and inputs or index in passed:

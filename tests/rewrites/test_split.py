@@ -15,6 +15,7 @@ from benchmarks.cases import kernel_matrix, knn_indices, sgpr_model
 from rewrites.split import SplitOversizedRegions
 from rewrites.split.op_rules import DimClass, Operand, dim_classes
 from tfmem import Config, Graph, TensorRef
+from tfmem.memory import while_passthrough
 
 
 def split_config(threshold: int, split: int | None = None) -> Config:
@@ -27,7 +28,7 @@ def top_level_bytes(graph_def: Any) -> list[tuple[str, int]]:
     graph = Graph(graph_def)
     sizes = []
     for node in graph_def.node:
-        passed = graph.while_passthrough(node.name)
+        passed = while_passthrough(graph, node.name)
         for index in range(len(graph.output_specs(node.name))):
             if index not in passed:
                 sizes.append((f"{node.name}:{index}", graph.nbytes(TensorRef(node.name, index)) or 0))

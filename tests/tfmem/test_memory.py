@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import tfmem
 from tfmem import Graph, TensorRef, estimate_memory, run_isolated, xla_planned_bytes
+from tfmem.memory import while_passthrough
 
 
 def graph_of(fn, *specs) -> Graph:
@@ -115,7 +116,7 @@ def test_loop_invariants_handed_back_allocate_nothing() -> None:
 
     graph = graph_of(fn, tf.TensorSpec([], tf.float32), tf.TensorSpec([1000], tf.float32))
     (loop,) = list(graph.find(("While", "StatelessWhile")))
-    passed = graph.while_passthrough(loop.name)
+    passed = while_passthrough(graph, loop.name)
     assert any(graph.spec(TensorRef(loop.name, i)).shape == [1000] for i in passed)
     # big (4000 B) is counted once, as an input, not again as the loop's output.
     assert estimate_memory(graph).peak_bytes < 2 * 4000
