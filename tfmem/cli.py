@@ -121,7 +121,7 @@ def _nothing_to_split(config: Any) -> str | None:
     """Why the config lets tfmem split nothing, if it does; the report alone would not say."""
     if "split" not in config.passes:
         return "the config leaves out the 'split' stage, so no tensor was split."
-    if config.tensor_size_threshold is None and config.memory_budget in (None, "off"):
+    if config.tensor_size_threshold is None and (config.memory_budget is None or config.budget_off):
         return ("no tensor_size_threshold or memory_budget is set, so no tensor was split; set one with "
                 "--config FILE or e.g. TFMEM_TENSOR_SIZE_THRESHOLD=64MB (see configs/default.yaml).")
     return None

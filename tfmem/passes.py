@@ -182,14 +182,14 @@ class PassManager:
             PassError: naming the pass that raised or (with lint) broke the graph.
         """
         with collector_paused():
+            first = self._prefix_length()
             key = self.prefix_key(context)
             prefix = cache.get(key) if cache is not None else None
             reused = prefix is not None
             if prefix is None:
-                prefix = self._fixed_point(graph.copy(), context, self.passes[:self._prefix_length()])
+                prefix = self._fixed_point(graph.copy(), context, self.passes[:first])
                 if cache is not None:
                     cache[key] = prefix
-            first = self._prefix_length()
             if first == len(self.passes):
                 rest = PipelineResult(prefix.graph.copy(), [], {}, 0)  # the prefix is shared: a copy
             else:

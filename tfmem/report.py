@@ -205,7 +205,6 @@ class Report:
             return self.xla_bytes_after <= self.budget.xla_bytes
         return self.memory_after.peak_bytes <= self.budget.plan_bytes
 
-
     @property
     def where(self) -> str:
         """" under MirroredStrategy replica 0 of 2 on …" inside `strategy.run`, else ""."""
@@ -229,8 +228,8 @@ class Report:
                 return f"no bound (memory_budget: off): {peaks}; {split}"
             hint = "" if loops else " (no memory_budget set and none from the device)"
             return f"no budget: {peaks}; {split}{hint}"
-        verdict = "fits" if self.fits else "does NOT fit"
-        line = f"{verdict} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
+        outcome = "fits" if self.fits else "does NOT fit"
+        line = f"{outcome} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
         verdict = self.verdict
         if not self.fits and verdict is not None and not verdict.fits:
             line += f" — {verdict.reason}"

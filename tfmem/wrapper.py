@@ -277,14 +277,7 @@ class TfmemFunction:
             self._fall_back(signature, f"{type(err).__name__}: {first_line(err)}", err)
             return signature
         signature.report = Report.of(signature.traced, signature.compiled, config=config, replica=replica)
-        if signature.report.fits is False:
-            self._over_budget(signature.report)
-        elif signature.report.verdict is not None and signature.report.verdict.threshold_dropped:
-            # The threshold is an override, the budget a promise: the user asked for
-            # something that was not done, and must hear it (not a failure: no strict raise).
-            warn(f"tfmem: {self._name}{signature.report.signature}{signature.report.where}: "
-                 f"tensor_size_threshold not honoured within the memory budget {signature.report.budget}: "
-                 f"{signature.report.verdict.threshold_dropped}")
+        self._warn_about_plan(signature.report)
         return signature
 
     def _compile(self, traced: Traced, config: Config, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -316,8 +309,16 @@ class TfmemFunction:
         self._not_nestable[replica.strategy] = signature
         return signature
 
-    def _over_budget(self, report: Report) -> None:
+    def _warn_about_plan(self, report: Report) -> None:
+        """Warns (raises, when strict) if the program may not fit its budget; warns if a
+        threshold gave way to the budget: the user asked for something that was not done,
+        though the budget, the promise, holds (so no strict raise for that alone)."""
         verdict = report.verdict
+        if report.fits is not False:
+            if verdict is not None and verdict.threshold_dropped:
+                warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_size_threshold not honoured "
+                     f"within the memory budget {report.budget}: {verdict.threshold_dropped}")
+            return
         message = (f"tfmem: {self._name}{report.signature}{report.where} may not fit its memory budget "
                    f"{report.budget}: {report.summary()}")
         if verdict is not None and verdict.threshold_dropped:
