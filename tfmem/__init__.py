@@ -33,6 +33,7 @@ _EXPORTS = {
                      "register_pipeline"], "passes"),
     **dict.fromkeys(["Match", "Pattern", "RewriteRule", "RuleSet"], "pattern"),
     "PassContext": "context",
+    "PlanCache": "plan_cache",
     "Report": "report",
     **dict.fromkeys(["TfmemFunction", "explain", "function"], "wrapper"),
 }

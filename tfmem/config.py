@@ -256,6 +256,18 @@ def _parse_float(value: Any, *, key: str) -> float:
     return number
 
 
+def _parse_directory(value: Any, *, key: str) -> str | None:
+    """A directory path ("~" expanded); None or "" for none."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{key}: expected a directory path, got {value!r}")
+    path = os.path.expanduser(os.fspath(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{key}: {path!r} exists and is not a directory")
+    return path
+
+
 def _parse_passes(value: Any, *, key: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -295,6 +307,10 @@ class Config:
             function and compare their outputs (skipped, with a warning, for functions
             that write variables).
         verify_rtol, verify_atol: tolerances of that comparison.
+        plan_cache: a directory where each signature's plan (the rewritten graph, the
+            verdict, XLA's checked plan) is kept, so that a later process running the
+            same program under the same config skips rewriting and XLA's check
+            (`tfmem.plan_cache`); None (the default) keeps nothing.
 
     Sizes accept bytes or strings such as "1.5GB" (powers of 1000) or "512MiB" (of 1024).
 
@@ -312,6 +328,7 @@ class Config:
     verify: bool = False
     verify_rtol: float = 1e-6
     verify_atol: float = 1e-8
+    plan_cache: str | None = None
 
     def __post_init__(self) -> None:
         # One validation path for every source: values from code are normalised too.
@@ -325,6 +342,7 @@ class Config:
             "verify": _parse_bool,
             "verify_rtol": _parse_float,
             "verify_atol": _parse_float,
+            "plan_cache": _parse_directory,
         }
         for key, parse in normalise.items():
             object.__setattr__(self, key, parse(getattr(self, key), key=key))

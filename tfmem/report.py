@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from tfmem.budget import Budget, PlanVerdict
+from tfmem.budget import ESTIMATE_ERROR, Budget, PlanVerdict
 from tfmem.config import Config, format_size
 from tfmem.memory import MemoryEstimate
 from tfmem.passes import RewriteRecord
@@ -57,11 +57,13 @@ class Report:
             `tf.function(jit_compile=True)` (`explain` only).
         explained_xla_bytes: XLA's planned bytes for the rewritten program, where
             `explain` asked for them (no plan was checked against a budget).
+        first_run_seconds: the first call of the compiled program (XLA compiles it
+            then, and runs it), once it was made.
 
     Properties (computed from the stages): status, reason, budget, verdict, records,
     pass_seconds, pipeline_seconds, memory_before, memory_after, nodes_before,
     nodes_after, xla_bytes_after, xla_largest_bytes_after, xla_overshoot_after,
-    xla_check_seconds, original_graph_def, rewritten_graph_def.
+    xla_check_seconds, first_call_seconds, plan_from_cache, original_graph_def, rewritten_graph_def.
     """
 
     function_name: str
@@ -74,6 +76,7 @@ class Report:
     replica: Any = None
     xla_bytes_before: int | None = None
     explained_xla_bytes: int | None = None
+    first_run_seconds: float | None = None
 
     @classmethod
     def of(cls, traced: Traced, stage: Rewritten | Compiled, *, config: Config | None = None,
@@ -170,6 +173,24 @@ class Report:
         """The time checking XLA's plan took (an XLA compilation, or several)."""
         return self.compiled.check_seconds if self.compiled is not None else 0.0
 
+    @property
+    def plan_from_cache(self) -> str:
+        """The plan cache file the plan was read from ("" when made in this process)."""
+        return self.rewritten.cached if self.rewritten is not None else ""
+
+    @property
+    def first_call_seconds(self) -> dict[str, float]:
+        """Where the first call's time went: "trace" (tracing and taking the graph apart),
+        "rewrite" (the passes, every plan), "xla check" (asking XLA for its plan: a
+        compilation each time), "compile and run" (the first call of the compiled
+        program). Stages not reached are left out.
+        """
+        parts = {"trace": self.traced.seconds if self.traced is not None else None,
+                 "rewrite": self.rewritten.seconds if self.rewritten is not None else None,
+                 "xla check": self.compiled.check_seconds if self.compiled is not None else None,
+                 "compile and run": self.first_run_seconds}
+        return {name: seconds for name, seconds in parts.items() if seconds is not None}
+
     @functools.cached_property
     def original_graph_def(self) -> Any:
         return self.traced.captured.graph_def if self.traced is not None else None
@@ -219,6 +240,8 @@ class Report:
         peaks = f"estimated peak {format_size(after)}, was {format_size(before)}"
         if self.xla_bytes_after is not None:
             peaks += f" (XLA plans {format_size(self.xla_bytes_after)})"
+        elif self.budget is not None and self.compiled is not None and self.config.jit_compile:
+            peaks += f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)"
         loops = self.splits
         chunks = sum(int(r.details.get("chunks", 0)) for r in loops)
         split = (f"{len(loops)} loop{'s' * (len(loops) != 1)} in {chunks} chunks" if loops
@@ -254,6 +277,10 @@ class Report:
             lines.append(f"  peak before: {self.memory_before}")
             if self.memory_after is not None:
                 lines.append(f"  peak after:  {self.memory_after}")
+        if self.first_run_seconds is not None:
+            parts = self.first_call_seconds
+            lines.append(f"  first call {sum(parts.values()):.2f} s: "
+                         + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items()))
         if self.pass_seconds:
             timing = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in self.pass_seconds.items())
             lines.append(f"  passes: {timing}; pipeline total {self.pipeline_seconds * 1e3:.1f} ms"

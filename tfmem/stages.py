@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tfmem.budget import Budget, PlanVerdict, allocator_peak, resolve_budget
+from tfmem.budget import ESTIMATE_ERROR, Budget, PlanVerdict, allocator_peak, resolve_budget
 from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config, format_size
 from tfmem.context import PassContext
@@ -120,6 +120,7 @@ class Rewritten:
         memory: the static peak estimate of the rewritten graph.
         verdict: the split planner's verdict on the target (None: no budget, or no split stage).
         seconds: how long rewriting took.
+        cached: the plan cache file it was read from ("" when the passes made it here).
     """
 
     traced: Traced
@@ -130,6 +131,7 @@ class Rewritten:
     memory: MemoryEstimate
     verdict: PlanVerdict | None
     seconds: float
+    cached: str = ""
 
     @property
     def config(self) -> Config:
@@ -204,22 +206,50 @@ class Compiled:
 def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], kwargs: Mapping[str, Any], *,
                           passes: Sequence[GraphPass] | None = None, lint: bool = False,
                           budget: Budget | None = None, input_signature: Any = None,
-                          name: str = "tfmem") -> Compiled:
-    """Rewrites and compiles `traced`; with a budget and XLA, checks XLA's own plan against it.
+                          name: str = "tfmem", ask_xla: bool = False) -> Compiled:
+    """Rewrites and compiles `traced`; with a budget and XLA, makes sure XLA's plan fits it.
 
     The static estimate counts live tensors; XLA's buffer assignment is what the
     allocator will see (one block of temporaries, plus constants and parameters), and it
-    can be larger: copies in loops, fusion choices, its own schedule. When XLA plans more
-    than `Budget.xla_bytes`, or a block too large to find room beside the rest
-    (`Budget.xla_overshoot`), the passes run again to a plan scaled down by the overshoot,
-    up to `_REPLANS` times; not when the static plan already missed its own target (a
-    tighter one meets the same wall). This compiles the program once more than running it does.
+    can be larger: copies in loops, fusion choices, its own schedule. Asking XLA for it
+    is a full compilation, as long as the one that runs the program, so it is asked only
+    when the estimate cannot settle the question:
+
+    1. The passes plan to `Budget.unchecked_bytes` first. A plan whose estimate fits
+       even when XLA plans the estimate's largest measured error more
+       (`Budget.fits_unchecked`) is compiled once, to run.
+    2. Otherwise they plan to `Budget.plan_bytes` and XLA's plan is checked. When it is
+       over `Budget.xla_bytes`, or has a block too large to find room beside the rest
+       (`Budget.xla_overshoot`), the passes run again to a plan scaled down by the
+       overshoot, up to `_REPLANS` times; not when the static plan already missed its
+       own target (a tighter one meets the same wall).
+
+    `ask_xla`: skip step 1 (the wrapper asks again so when an unchecked plan ran out
+    of memory).
     """
+    budget = budget if budget is not None else resolve_budget(config)
+    if budget is None or not config.jit_compile:
+        return traced.rewrite(config, passes=passes, lint=lint, budget=budget).compile(
+            input_signature=input_signature, name=name)
+    held_peak = allocator_peak()
+    # A little under the share: the split pass's own estimate of its plan can be a few
+    # percent under the estimate of the finished graph.
+    lean = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
+                          target_bytes=int(budget.unchecked_bytes * _REPLAN_MARGIN))
+    if not ask_xla and budget.fits_unchecked(lean.memory.peak_bytes, held_peak):
+        note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
+            f"not asked: the estimated peak {format_size(lean.memory.peak_bytes)} fits even if XLA plans "
+            f"{ESTIMATE_ERROR}× it (the estimate's largest error measured on the corpus) in one block"))
+        lean = dataclasses.replace(lean, records=(*lean.records, note))
+        return lean.compile(input_signature=input_signature, name=name)
     rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget)
+    rewritten = dataclasses.replace(rewritten, seconds=rewritten.seconds + lean.seconds, records=(
+        RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
+            f"planned to {format_size(budget.unchecked_bytes)} first, where XLA's plan need not be asked; "
+            f"the estimate stayed at {format_size(lean.memory.peak_bytes)}: planned to "
+            f"{format_size(budget.plan_bytes)} and asked XLA")),
+        *rewritten.records))
     compiled = rewritten.compile(input_signature=input_signature, name=name)
-    budget = rewritten.budget
-    if budget is None or not rewritten.config.jit_compile:
-        return compiled
     check_seconds = 0.0
     best: Compiled | None = None  # a re-plan can come out worse (more loops, more held): keep the best
     stopped: RewriteRecord | None = None
@@ -229,7 +259,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         check_seconds += time.perf_counter() - start
         if planned is None:
             return dataclasses.replace(compiled, check_seconds=check_seconds)
-        overshoot = budget.xla_overshoot(planned.total_bytes, planned.largest_bytes, allocator_peak())
+        overshoot = budget.xla_overshoot(planned.total_bytes, planned.largest_bytes, held_peak)
         compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,
                                        check_seconds=check_seconds)
         if best is None or overshoot < best.xla_overshoot:

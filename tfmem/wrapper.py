@@ -38,12 +38,13 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import resource_variable_ops
 
 from tfmem.capture import capture
-from tfmem.budget import Budget
+from tfmem.budget import Budget, resolve_budget
 from tfmem.config import Config, active_config, format_size
 from tfmem.distribute import Replica, current_replica, replica_budget
 from tfmem.errors import TfmemError, first_line, warn
 from tfmem.memory import xla_planned_bytes
-from tfmem.passes import GraphPass
+from tfmem.passes import GraphPass, default_pipeline
+from tfmem.plan_cache import PlanCache, checked_plan
 from tfmem.report import Report
 from tfmem.stages import Compiled, Traced, compile_within_budget
 
@@ -113,10 +114,10 @@ class TfmemFunction:
         """
         return self._trace(self.original.get_concrete_function(*args, **kwargs))
 
-    def _trace(self, concrete: Any) -> Traced:
+    def _trace(self, concrete: Any, trace_seconds: float = 0.0) -> Traced:
         start = time.perf_counter()
         captured = capture(concrete)
-        return Traced(self._name, _signature_text(concrete), captured, time.perf_counter() - start)
+        return Traced(self._name, _signature_text(concrete), captured, trace_seconds + time.perf_counter() - start)
 
     # --- calling ------------------------------------------------------------------
 
@@ -137,17 +138,46 @@ class TfmemFunction:
         if signature.called:
             return signature.compiled(*args, **kwargs)
         signature.called = True
+        start = time.perf_counter()
         try:
             result = signature.compiled(*args, **kwargs)
-        except tf.errors.ResourceExhaustedError:
-            raise  # a real out-of-memory: the original would not do better
+        except tf.errors.ResourceExhaustedError as err:
+            if not self._can_ask_xla(signature):
+                raise  # a real out-of-memory: the original would not do better
+            result = self._run_checked(signature, args, kwargs, err)
         except Exception as err:  # tracing, importing or compiling the rewrite failed
             self._fall_back(signature, f"the rewritten graph failed on its first call: "
                                        f"{type(err).__name__}: {first_line(err)}", err)
             return self.original(*args, **kwargs)
+        signature.report = dataclasses.replace(signature.report, first_run_seconds=time.perf_counter() - start)
         if signature.report.config.verify:
             return self._verify(signature, args, kwargs, result)
         return result
+
+    @staticmethod
+    def _can_ask_xla(signature: _Signature) -> bool:
+        """Whether the signature runs a plan XLA was not asked about (`compile_within_budget`
+        judged it by the estimate alone): an out-of-memory then calls for XLA's plan."""
+        compiled, report = signature.compiled, signature.report
+        return (compiled is not None and compiled.checked_plan is None and report.budget is not None
+                and report.config.jit_compile)
+
+    def _run_checked(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     err: tf.errors.ResourceExhaustedError) -> Any:
+        """Re-plans a signature whose unchecked plan ran out of memory, asking XLA this
+        time, and runs it again. XLA allocates a program's memory before running it, so
+        the failed call changed nothing."""
+        assert signature.traced is not None and signature.compiled is not None
+        warn(f"tfmem: {self._name}{signature.report.signature}{signature.report.where} ran out of memory on its "
+             f"first call with a plan XLA was not asked about ({first_line(err)}); planning again with XLA's plan")
+        config, budget = signature.report.config, signature.report.budget
+        signature.compiled = compile_within_budget(
+            signature.traced, config, args, kwargs, passes=self._passes, lint=self._lint, budget=budget,
+            input_signature=self._input_signature, name=f"tfmem_{self._scope}", ask_xla=True)
+        signature.report = Report.of(signature.traced, signature.compiled, config=config,
+                                     replica=signature.report.replica)
+        self._warn_about_plan(signature.report)
+        return signature.compiled(*args, **kwargs)
 
     def _verify(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                 result: Any) -> Any:
@@ -252,6 +282,7 @@ class TfmemFunction:
         replica = current_replica()
         if replica is not None and replica.strategy in self._not_nestable:
             return self._not_nestable[replica.strategy]
+        start = time.perf_counter()
         try:
             concrete = self.original.get_concrete_function(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - e.g. a merge_call inside a nested function
@@ -261,17 +292,21 @@ class TfmemFunction:
         key = (id(concrete), config)
         signature = self._signatures.get(key)
         if signature is None or signature.concrete is not concrete:
-            signature = self._build(concrete, config, args, kwargs, replica)
+            # Tracing is timed from here: a cached trace costs nothing to look up.
+            signature = self._build(concrete, config, args, kwargs, replica, time.perf_counter() - start)
             self._signatures[key] = signature
         return signature
 
     def _build(self, concrete: Any, config: Config, args: tuple[Any, ...], kwargs: dict[str, Any],
-               replica: Replica | None = None) -> _Signature:
-        """All three stages for one signature; on any failure, a fallback to the original."""
+               replica: Replica | None = None, trace_seconds: float = 0.0) -> _Signature:
+        """All three stages for one signature; on any failure, a fallback to the original.
+
+        `trace_seconds`: how long TensorFlow took to trace `concrete`, counted in `Traced.seconds`.
+        """
         text = _signature_text(concrete)
         signature = _Signature(concrete, Report(self._name, text, config, replica=replica))
         try:
-            signature.traced = self._trace(concrete)
+            signature.traced = self._trace(concrete, trace_seconds)
             signature.compiled = self._compile(signature.traced, config, args, kwargs, replica)
         except Exception as err:  # any failure: keep the user's program running
             self._fall_back(signature, f"{type(err).__name__}: {first_line(err)}", err)
@@ -290,10 +325,36 @@ class TfmemFunction:
             again = shared.rewritten.for_trace(traced).compile(input_signature=self._input_signature,
                                                                name=f"tfmem_{self._scope}")
             return dataclasses.replace(again, checked_plan=shared.checked_plan, xla_overshoot=shared.xla_overshoot)
-        compiled = compile_within_budget(traced, config, args, kwargs, passes=self._passes, lint=self._lint,
-                                         budget=budget, input_signature=self._input_signature,
-                                         name=f"tfmem_{self._scope}")
+        if config.plan_cache is not None and self._passes is None:
+            compiled = self._compile_cached(traced, config, args, kwargs, budget, key[0])
+        else:
+            compiled = compile_within_budget(traced, config, args, kwargs, passes=self._passes, lint=self._lint,
+                                             budget=budget, input_signature=self._input_signature,
+                                             name=f"tfmem_{self._scope}")
         self._rewrites[key] = compiled
+        return compiled
+
+    def _compile_cached(self, traced: Traced, config: Config, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        budget: Budget | None, digest: str) -> Compiled:
+        """`compile_within_budget` through `config.plan_cache`: a plan made by an earlier
+        process for the same trace, config and budget is compiled as it is."""
+        cache = PlanCache(config.plan_cache)
+        budget = budget if budget is not None else resolve_budget(config)
+        pipeline = [f"{type(p).__module__}.{type(p).__qualname__}" for p in default_pipeline(config)]
+        key = cache.key(digest, config, budget, pipeline)
+        found = cache.load(key, traced, config, budget)
+        name = f"tfmem_{self._scope}"
+        if found is not None:
+            rewritten, xla = found
+            plan, overshoot = checked_plan(xla)
+            return dataclasses.replace(rewritten.compile(input_signature=self._input_signature, name=name),
+                                       checked_plan=plan, xla_overshoot=overshoot)
+        compiled = compile_within_budget(traced, config, args, kwargs, passes=None, lint=self._lint,
+                                         budget=budget, input_signature=self._input_signature, name=name)
+        try:
+            cache.store(key, compiled)
+        except OSError as err:  # a read-only or full disk costs the next process time, not this one its run
+            warn(f"tfmem: could not keep the plan of {self._name} in plan_cache {config.plan_cache!r}: {err}")
         return compiled
 
     def _cannot_nest(self, replica: Replica, config: Config, err: Exception) -> _Signature:

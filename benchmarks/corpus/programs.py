@@ -154,6 +154,21 @@ def _sgpr(kernel: str, m: int) -> Builder:
     return build
 
 
+def _sgpr_with_mean_d8(m: int) -> Builder:
+    """SGPR with a Matern32 kernel and a constant mean function on 8-dimensional inputs,
+    as the eXLA paper's SGPR benchmark; size = N."""
+    def build(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        import gpflow
+
+        x, y = _regression_data(n, 8, seed=4)
+        z = x[np.random.default_rng(5).choice(n, m, replace=False)].copy()
+        model = gpflow.models.SGPR((x, y), gpflow.kernels.Matern32(lengthscales=[1.0] * 8), inducing_variable=z,
+                                   mean_function=gpflow.mean_functions.Constant(), noise_variance=0.1)
+        return _with_gradients(model, model.training_loss), ()
+
+    return build
+
+
 def _svgp(kernel: str, m: int) -> Builder:
     """SVGP minibatch ELBO and gradients; size = the minibatch size B (the [M, B] tensors).
 
@@ -325,6 +340,23 @@ def _attention(softmax: Callable[[tf.Tensor], tf.Tensor], heads: int, batch: int
     return build
 
 
+def _causal_attention(heads: int, d: int) -> Builder:
+    """Multi-head attention with a look-ahead mask ([1, h, s, d] f32), fwd + bwd w.r.t. Q, K, V."""
+    def build(s: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        def loss_and_grads(q, k, v):
+            with tf.GradientTape() as tape:
+                tape.watch([q, k, v])
+                scores = tf.matmul(q, k, transpose_b=True) / math.sqrt(d)  # [1, h, s, s]
+                look_ahead = 1.0 - tf.linalg.band_part(tf.ones([s, s]), -1, 0)  # 1 above the diagonal
+                attention = tf.nn.softmax(scores + look_ahead * -1e9, axis=-1)
+                loss = 0.5 * tf.reduce_sum((attention @ v) ** 2)
+            return loss, tape.gradient(loss, [q, k, v])
+
+        return loss_and_grads, _points(74, [(1, heads, s, d)] * 3, tf.float32)
+
+    return build
+
+
 # --- nearest neighbours ------------------------------------------------------------------
 
 K_NEIGHBOURS = 10
@@ -446,7 +478,30 @@ def _nadaraya_watson(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return smoother, _points(50, [(n, 3), (n, 1)])
 
 
+def _kernel_matvec(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    def matvec(x, v):
+        return tf.linalg.matvec(_rbf(x), v)  # K(X, X) v, v: [n]
+
+    return matvec, _points(51, [(n, 3), (n,)])
+
+
 # --- misc --------------------------------------------------------------------------------
+
+
+def _triangular_solve_wide(m: int) -> Builder:
+    """L⁻¹ K(Z, X): L = chol(K(Z, Z) + jitter) [m, m], K(Z, X) [m, n], f64 (the paper's
+    projection of a kernel onto inducing points); size = n, the right-hand side's width."""
+    def build(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        def project(z, x):
+            sz = tf.reduce_sum(z ** 2, 1)
+            kzz = tf.exp(-0.5 * (sz[:, None] + sz[None, :] - 2.0 * z @ tf.transpose(z)))
+            kzx = tf.exp(-0.5 * (sz[:, None] + tf.reduce_sum(x ** 2, 1)[None, :] - 2.0 * z @ tf.transpose(x)))
+            chol = tf.linalg.cholesky(kzz + 1e-6 * tf.eye(m, dtype=tf.float64))
+            return tf.reduce_sum(tf.linalg.triangular_solve(chol, kzx, lower=True) ** 2, axis=0)  # [n]
+
+        return project, _points(64, [(m, 3), (n, 3)])
+
+    return build
 
 
 def _sigmoid_xent(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -531,6 +586,9 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in [
             _vgp("matern52"), small=300, big=2000, budget="192MiB", rtol=_GPFLOW_RTOL),
     Program("vgp_linear_grad", "gpflow", "VGP loss + grads, Linear, N points", _vgp("linear"),
             small=300, big=2000, budget="192MiB", rtol=_GPFLOW_RTOL),
+    Program("sgpr_matern32_mean_d8_grad", "gpflow", "SGPR loss + grads, Matern32 + Constant mean, D=8, "
+            "M=400, N points (the eXLA paper's benchmark)", _sgpr_with_mean_d8(400), small=2000, big=30000,
+            budget="256MiB", rtol=_GPFLOW_RTOL),
     # GPflow predictions.
     Program("sgpr_predict_mean_var", "gpflow", "SGPR predict_f(full_cov=False), N=2000, M=300, n test points",
             _sgpr_predict("matern32", 2000, 300, full_cov=False), small=5000, big=200000, budget="128MiB",
@@ -565,6 +623,8 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in [
     Program("attention_multihead_by_hand_outer_tape", "attention", "b=2, h=4, hand-written softmax, "
             "grads from an outer tape, d=32, f32", _attention(softmax_by_hand, 4, 2, 32, seed=73, outer_tape=True),
             small=256, big=2048, budget="128MiB", rtol=2e-4, outer_tape=True),
+    Program("attention_causal_grad", "attention", "h=4, look-ahead mask added to the scores, tf.nn.softmax, "
+            "fwd + bwd, d=64, f32", _causal_attention(4, 64), small=256, big=2048, budget="128MiB", rtol=2e-4),
     # Nearest neighbours (float32: XLA sorts float64 top-k in full).
     Program("knn_euclidean", "knn", "k=10 nearest by Euclidean distance (expanded form), n/4 queries, n points",
             _knn("euclidean"), small=2000, big=24000, budget="128MiB", rtol=1e-4, index_mismatch=2e-3),
@@ -598,12 +658,17 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in [
             small=1000, big=6000, budget="128MiB", rtol=1e-9),
     Program("nadaraya_watson", "reduction", "(K / Σ_row K) @ y, K: [n, n] f64", _nadaraya_watson,
             small=1000, big=6000, budget="128MiB", rtol=1e-9),
+    Program("kernel_matvec", "kernel", "tf.linalg.matvec(K(X, X), v), v: [n], f64", _kernel_matvec,
+            small=1000, big=6000, budget="128MiB", rtol=1e-9),
     # Misc.
     Program("sigmoid_xent_outer_tape", "misc", "mean sigmoid_cross_entropy_with_logits(1, x·wᵀ) over [n, n/2] "
             "logits, grads from an outer tape, f32", _sigmoid_xent, small=2000, big=12000, budget="128MiB",
             rtol=1e-5, outer_tape=True),
     Program("random_feature_gram", "misc", "ΦᵀΦ of random Fourier features Φ = cos(XW + b): [n, 512] f64",
             _random_feature_gram, small=2000, big=60000, budget="128MiB", rtol=1e-9),
+    Program("triangular_solve_wide", "misc", "Σ (L⁻¹ K(Z, X))² over rows, L = chol(K(Z, Z)) [500, 500], "
+            "K(Z, X) [500, n] f64", _triangular_solve_wide(500), small=2000, big=40000, budget="128MiB",
+            rtol=1e-8),
     Program("power_iteration", "misc", "10 power iterations on K [n, n] f64 in a tf.range loop",
             _power_iteration, small=1000, big=6000, budget="128MiB", rtol=1e-9),
     Program("conjugate_gradients", "misc", "15 CG steps on (K + ½I) α = y, tf.while_loop, K [n, n] f64",

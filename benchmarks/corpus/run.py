@@ -213,6 +213,37 @@ def _failures(entries: Sequence[dict[str, Any]], mode: str) -> list[str]:
     return lines or ["- none"]
 
 
+def verdict_table(entries: Sequence[dict[str, Any]], mode: str) -> list[str]:
+    """The report's verdict against what happened at `big` under the real limit, per program
+    and counted: a false "fits" ran out of memory, a false "does NOT fit" ran; the margin
+    is the limit less the real peak (the allocator's, inputs included)."""
+    counts = {"fits, ran": 0, "fits, out of memory (false fits)": 0, "does NOT fit, out of memory": 0,
+              "does NOT fit, ran (false does NOT fit)": 0, "no verdict": 0}
+    rows = []
+    for entry in entries:
+        big = tfmem_step(entry["tfmem"][mode], "big")
+        claims, status = big.get("claims_fit"), big.get("status")
+        if claims is None or status not in ("ok", "oom"):
+            counts["no verdict"] += 1
+            continue
+        key = {(True, "ok"): "fits, ran", (True, "oom"): "fits, out of memory (false fits)",
+               (False, "oom"): "does NOT fit, out of memory",
+               (False, "ok"): "does NOT fit, ran (false does NOT fit)"}[(claims, status)]
+        counts[key] += 1
+        margin = "-"
+        if status == "ok" and big.get("peak_bytes"):
+            left = entry["budget_bytes"] - big["peak_bytes"]
+            margin = f"{_mib(left) if left > 0 else '0'} ({left / entry['budget_bytes']:.0%})"
+        decided = "XLA's plan" if big.get("xla_bytes") else "estimate"
+        rows.append(f"| {entry['program']} | {'fits' if claims else 'does NOT fit'} | {decided} | "
+                    f"{'ran' if status == 'ok' else 'out of memory'} | {margin} |")
+    judged = sum(v for k, v in counts.items() if k != "no verdict")
+    lines = [f"- {name}: {n}" + (f" ({n / judged:.0%})" if judged and "false" in name else "")
+             for name, n in counts.items()]
+    return lines + ["", "| program | verdict | decided by | at `big` under the limit | margin left |",
+                    "|---|---|---|---|---|"] + rows
+
+
 def write_report(data: dict[str, Any], path: str) -> None:
     entries = data["programs"]
     lines = [
@@ -241,6 +272,7 @@ def write_report(data: dict[str, Any], path: str) -> None:
                   "real / estimate | rel err (budget) | rel err (tight) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_row(entry, mode) for entry in entries]
+        lines += ["", f"### Verdict against outcome ({mode})", ""] + verdict_table(entries, mode)
         lines += ["", f"### Failures by reason ({mode})", ""] + _failures(entries, mode)
     lines += ["", "## Programs", "", "| program | family | what | small | big | rtol |", "|---|---|---|---|---|---|"]
     lines += [f"| {e['program']} | {e['family']} | {e['description']} | {e['small']} | {e['big']} | {e['rtol']:g} |"

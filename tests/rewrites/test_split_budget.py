@@ -165,7 +165,7 @@ def test_a_re_plan_that_comes_out_worse_under_xla_is_not_kept(kernel_inputs, mon
     monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 2))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=budget)
-    kept = stages.compile_within_budget(traced, config, kernel_inputs, {})
+    kept = stages.compile_within_budget(traced, config, kernel_inputs, {}, ask_xla=True)
     assert kept.checked_plan.total_bytes == 2 * budget  # the first plan, the least over
     assert any("came out worse" in r.reason for r in kept.rewritten.records)
     np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
@@ -180,7 +180,8 @@ def test_no_re_plan_when_the_static_plan_already_misses_its_target(kernel_inputs
     monkeypatch.setattr(stages.Compiled, "xla_plan",
                         lambda self, *a, **k: checked.append(self) or XlaPlan(4 * budget, budget))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
-    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), kernel_inputs, {})
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), kernel_inputs, {},
+                                        ask_xla=True)
     assert len(checked) == 1  # one XLA compile, not 1 + _REPLANS
     assert any(r.rule == "MemoryBudget" and r.status == "rejected" for r in kept.rewritten.records)
     assert any("not planning again" in r.reason for r in kept.rewritten.records)
@@ -196,7 +197,7 @@ def test_a_re_plan_tightens_the_target_and_leaves_the_users_config_alone(kernel_
     monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 4))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=budget)
-    kept = stages.compile_within_budget(traced, config, kernel_inputs, {})
+    kept = stages.compile_within_budget(traced, config, kernel_inputs, {}, ask_xla=True)
     (note,) = [r for r in kept.rewritten.records if "next_target_bytes" in r.details]
     first_target = tfmem.Budget(budget, "config").plan_bytes
     assert kept.rewritten.context.target_bytes == note.details["next_target_bytes"] < first_target // 2 + 1
@@ -251,3 +252,42 @@ def test_a_threshold_that_gives_way_to_the_budget_warns_naming_both_numbers() ->
     assert "tensor_size_threshold not honoured" in shown[0] and "6.0 MiB" in shown[0], shown[0]
     assert "tensor_size_threshold 976.6 KiB left the static peak at" in shown[0], shown[0]
     assert "planned by the memory budget alone" in shown[0], shown[0]
+
+
+def _xla_must_not_be_asked(self, *args, **kwargs):
+    raise AssertionError("XLA's plan was asked for")
+
+
+def test_a_plan_far_enough_under_the_budget_compiles_once_without_asking_xla(kernel_inputs, monkeypatch) -> None:
+    from tfmem import stages
+
+    monkeypatch.setattr(stages.Compiled, "xla_plan", _xla_must_not_be_asked)
+    budget = tfmem.Budget(8 * 2**20, "config")
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget.nbytes), kernel_inputs, {})
+    assert kept.checked_plan is None and kept.check_seconds == 0
+    assert budget.fits_unchecked(kept.rewritten.memory.peak_bytes)  # planned to the unchecked share
+    assert kept.rewritten.memory.peak_bytes * tfmem.budget.ESTIMATE_ERROR <= budget.xla_bytes
+    assert any(r.rule == "XlaPlan" and r.reason.startswith("not asked") for r in kept.rewritten.records)
+    report = tfmem.Report.of(traced, kept)
+    assert report.fits and "XLA's plan not asked" in report.summary()
+    np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
+def test_a_plan_that_cannot_reach_the_unchecked_share_asks_xla(kernel_inputs, monkeypatch) -> None:
+    from tfmem import budget as budget_module
+    from tfmem import stages
+    from tfmem.memory import XlaPlan
+
+    checked = []
+    monkeypatch.setattr(stages.Compiled, "xla_plan",
+                        lambda self, *a, **k: checked.append(self) or XlaPlan(2**20, 2**19))
+    # An estimate trusted so little that no plan of this program reaches the unchecked share.
+    monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)
+    traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
+    config = tfmem.Config(memory_budget=8 * 2**20)
+    kept = stages.compile_within_budget(traced, config, kernel_inputs, {})
+    assert len(checked) == 1 and kept.checked_plan == XlaPlan(2**20, 2**19)
+    assert any("and asked XLA" in r.reason for r in kept.rewritten.records)
+    assert kept.rewritten.context.target_bytes == tfmem.Budget(8 * 2**20, "config").plan_bytes
+    np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)

@@ -1,0 +1,123 @@
+"""The first call under a budget: where its time goes, one compilation when the estimate
+settles the question, an out-of-memory of an unchecked plan re-planned with XLA, and
+plans kept between processes (`Config.plan_cache`)."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmem
+from tfmem import budget as budget_module
+from tfmem import stages
+from tfmem.plan_cache import FORMAT
+
+N = 1200  # [N, N] float64: 11 MiB
+
+
+def kernel_times(x, v):
+    sq = tf.reduce_sum(tf.square(x), -1)
+    return tf.exp(-0.5 * (sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True))) @ v
+
+
+@pytest.fixture
+def inputs(rng: np.random.Generator) -> tuple[tf.Tensor, tf.Tensor]:
+    return tf.constant(rng.normal(size=(N, 3))), tf.constant(rng.normal(size=(N, 8)))
+
+
+def _expected(inputs) -> np.ndarray:
+    return kernel_times(*inputs).numpy()
+
+
+def test_the_report_says_where_the_first_calls_time_went(inputs) -> None:
+    wrapped = tfmem.function(kernel_times, config={"memory_budget": "8MiB"})
+    np.testing.assert_allclose(wrapped(*inputs).numpy(), _expected(inputs), rtol=1e-10)
+    report = wrapped.report(*inputs)
+    parts = report.first_call_seconds
+    assert list(parts) == ["trace", "rewrite", "xla check", "compile and run"]
+    assert all(seconds >= 0 for seconds in parts.values()) and parts["trace"] > 0 and parts["compile and run"] > 0
+    assert "first call" in str(report)
+    assert tfmem.function(kernel_times).report(*inputs).first_run_seconds is None  # not called yet
+
+
+def test_an_unchecked_plan_that_runs_out_of_memory_is_planned_again_with_xla(inputs, monkeypatch) -> None:
+    calls = {"n": 0}
+    original_call = stages.Compiled.__call__
+
+    def out_of_memory_once(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise tf.errors.ResourceExhaustedError(None, None, "Out of memory while trying to allocate 9.0MiB")
+        return original_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(stages.Compiled, "__call__", out_of_memory_once)
+    wrapped = tfmem.function(kernel_times, config={"memory_budget": "8MiB"})
+    assert wrapped.report(*inputs).xla_bytes_after is None  # the estimate settled it: XLA not asked
+    with pytest.warns(tfmem.TfmemWarning, match="ran out of memory on its first call"):
+        got = wrapped(*inputs)
+    np.testing.assert_allclose(got.numpy(), _expected(inputs), rtol=1e-10)
+    report = wrapped.report(*inputs)
+    assert report.xla_bytes_after is not None and report.fits  # asked XLA this time
+
+
+def test_an_out_of_memory_of_a_plan_xla_checked_is_raised(inputs, monkeypatch) -> None:
+    def out_of_memory(self, *args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "Out of memory")
+
+    monkeypatch.setattr(stages.Compiled, "__call__", out_of_memory)
+    monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
+    wrapped = tfmem.function(kernel_times, config={"memory_budget": "8MiB"})
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        wrapped(*inputs)
+
+
+def test_a_second_function_finds_the_plan_in_the_plan_cache(inputs, tmp_path, monkeypatch) -> None:
+    config = {"memory_budget": "8MiB", "plan_cache": str(tmp_path)}
+    first = tfmem.function(kernel_times, config=config)
+    np.testing.assert_allclose(first(*inputs).numpy(), _expected(inputs), rtol=1e-10)
+    assert first.report(*inputs).plan_from_cache == ""
+    (plan_file,) = os.listdir(tmp_path)
+
+    def must_not_plan(*args, **kwargs):
+        raise AssertionError("planned again despite the plan cache")
+
+    monkeypatch.setattr("tfmem.wrapper.compile_within_budget", must_not_plan)
+    second = tfmem.function(kernel_times, config=config)
+    np.testing.assert_allclose(second(*inputs).numpy(), _expected(inputs), rtol=1e-10)
+    report, made = second.report(*inputs), first.report(*inputs)
+    assert report.plan_from_cache == str(tmp_path / plan_file)
+    assert report.summary() == made.summary() and report.fits == made.fits
+    assert len(report.splits) == len(made.splits) >= 1
+
+
+def test_another_budget_or_a_damaged_file_makes_a_new_plan(inputs, tmp_path) -> None:
+    tfmem.function(kernel_times, config={"memory_budget": "8MiB", "plan_cache": str(tmp_path)})(*inputs)
+    other = tfmem.function(kernel_times, config={"memory_budget": "6MiB", "plan_cache": str(tmp_path)})
+    other(*inputs)
+    assert other.report(*inputs).plan_from_cache == "" and len(os.listdir(tmp_path)) == 2
+    for name in os.listdir(tmp_path):
+        (tmp_path / name).write_text("{not json")
+    again = tfmem.function(kernel_times, config={"memory_budget": "8MiB", "plan_cache": str(tmp_path)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfmem.TfmemWarning)  # a damaged file is not the user's problem
+        np.testing.assert_allclose(again(*inputs).numpy(), _expected(inputs), rtol=1e-10)
+    assert again.report(*inputs).plan_from_cache == ""
+    readable = []
+    for path in tmp_path.iterdir():
+        try:
+            readable.append(json.loads(path.read_text())["format"])
+        except ValueError:
+            pass
+    assert readable == [FORMAT]  # the 8 MiB plan was written again, whole
+
+
+def test_plan_cache_must_be_a_directory(tmp_path) -> None:
+    a_file = tmp_path / "plans"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="plan_cache: .* is not a directory"):
+        tfmem.Config(plan_cache=str(a_file))
+    assert tfmem.Config(plan_cache="").plan_cache is None
