@@ -37,15 +37,31 @@ _FUNCTION_ATTRS = {"body": 0, "cond": 0, "then_branch": 1, "else_branch": 1, "f"
 
 @dataclasses.dataclass(frozen=True)
 class LiveTensor:
-    """A tensor alive at the peak: its name, size in bytes, shape and dtype."""
+    """A tensor alive at the peak: its name, size in bytes, shape and dtype, the op that
+    made it and why it is still alive there: `held_for`, the last node that reads it
+    ("" when it is an output of the program, or a constant or variable held throughout)."""
 
     name: str
     nbytes: int
     shape: tuple[int | None, ...]
     dtype: str
+    op: str = ""
+    held_for: str = ""
 
     def __str__(self) -> str:
         return f"{self.name} {self.dtype}{list(self.shape)} {format_size(self.nbytes)}"
+
+    def why(self, peak_node: str | None = None) -> str:
+        """One line: what it is, and what keeps it alive at the peak (`peak_node`: the node
+        running there, which may be the reader itself)."""
+        made = f" ({self.op})" if self.op else ""
+        if not self.held_for:
+            kept = ", held to the end"
+        elif self.held_for == peak_node:
+            kept = f", read by {self.held_for}, running at the peak"
+        else:
+            kept = f", read later by {self.held_for}"
+        return f"{self}{made}{kept}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +91,35 @@ class MemoryEstimate:
     def __str__(self) -> str:
         top = ", ".join(str(t) for t in self.live_at_peak[:3])
         return f"peak {format_size(self.peak_bytes)} at {self.peak_node} (largest live: {top})"
+
+    def in_words(self) -> str:
+        """The peak as a GP user reads it: whole tensors by shape, then the loop body's chunks.
+
+        Example:
+            >>> estimate = MemoryEstimate(
+            ...     peak_bytes=3 * 800 + 100 + 50, peak_node="while", nested_peak_bytes=100,
+            ...     live_at_peak=(LiveTensor("K", 800, (10, 10), "float64"), LiveTensor("L", 800, (10, 10), "float64"),
+            ...                   LiveTensor("dK", 800, (10, 10), "float64"), LiveTensor("y", 50, (10,), "float64")))
+            >>> estimate.in_words()
+            'peak 2.5 KiB = 3 whole float64[10, 10] (2.3 KiB) + a loop body at while (100 B) + 1 other (50 B)'
+        """
+        groups: dict[tuple[str, tuple[int | None, ...]], list[LiveTensor]] = {}
+        for tensor in self.live_at_peak:
+            groups.setdefault((tensor.dtype, tensor.shape), []).append(tensor)
+        ranked = sorted(groups.items(), key=lambda kv: -sum(t.nbytes for t in kv[1]))
+        # Name the shapes that make up the peak; the rest counted as "others".
+        named, others = [], []
+        for (dtype, shape), tensors in ranked:
+            total = sum(t.nbytes for t in tensors)
+            if len(named) < 3 and total >= 0.1 * self.peak_bytes:
+                named.append(f"{len(tensors)} whole {dtype}{list(shape)} ({format_size(total)})")
+            else:
+                others.extend(tensors)
+        if self.nested_peak_bytes:
+            named.append(f"a loop body at {self.peak_node} ({format_size(self.nested_peak_bytes)})")
+        if others:
+            named.append(f"{len(others)} other{'s' * (len(others) != 1)} ({format_size(sum(t.nbytes for t in others))})")
+        return f"peak {format_size(self.peak_bytes)} = " + " + ".join(named)
 
 
 def estimate_memory(graph: Graph | graph_pb2.GraphDef, *, outputs: Any = ()) -> MemoryEstimate:
@@ -191,8 +236,8 @@ class _Estimator:
         if not order:
             return MemoryEstimate(0, None, ())
         live_at_peak = sorted(
-            (self._live_tensor(b, n) for b, n in size.items()
-             if alloc[b] <= peak_step <= last_use[b] and n > 0),
+            (self._live_tensor(b, n, order[last_use[b]] if last_use[b] < end and alloc[b] > 0 else "")
+             for b, n in size.items() if alloc[b] <= peak_step <= last_use[b] and n > 0),
             key=lambda t: (-t.nbytes, t.name))
         return MemoryEstimate(peak_bytes=max(peak, 0), peak_node=order[peak_step],
                               live_at_peak=tuple(live_at_peak),
@@ -228,10 +273,10 @@ class _Estimator:
 
         return graph.topological_order(priority, reprioritize=reprioritize)
 
-    def _live_tensor(self, ref: TensorRef, nbytes: int) -> LiveTensor:
+    def _live_tensor(self, ref: TensorRef, nbytes: int, held_for: str) -> LiveTensor:
         spec = self.graph.spec(ref)
         shape = tuple(spec.shape.as_list()) if spec.shape.rank is not None else ()
-        return LiveTensor(ref.name, nbytes, shape, spec.dtype.name)
+        return LiveTensor(ref.name, nbytes, shape, spec.dtype.name, self.graph.node(ref.node).op, held_for)
 
     def _nested_bytes(self, name: str) -> int:
         """Peak bytes of the functions a node calls, beyond the arguments it passes them."""

@@ -40,7 +40,7 @@ from tfmem.passes import RewriteRecord, collector_paused
 logger = logging.getLogger(__name__)
 
 # Bumped whenever what a plan file holds, or what it means, changes.
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ class PlanCache:
             "pass_seconds": dict(rewritten.pass_seconds),
             "xla": {"total_bytes": plan.total_bytes if plan is not None else None,
                     "largest_bytes": plan.largest_bytes if plan is not None else None,
-                    "overshoot": compiled.xla_overshoot},
+                    "overshoot": compiled.xla_overshoot, "held_peak": compiled.held_peak},
         }
         os.makedirs(self.directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
@@ -129,8 +129,10 @@ class PlanCache:
             raise
 
 
-def checked_plan(xla: dict[str, Any]) -> tuple[XlaPlan | None, float | None]:
-    """The XLA plan and overshoot a plan file recorded (None, None: XLA was not asked)."""
+def checked_plan(xla: dict[str, Any]) -> tuple[XlaPlan | None, float | None, int]:
+    """The XLA plan, its overshoot and the allocator's peak then, as a plan file recorded
+    them ((None, None, 0): XLA was not asked)."""
     if xla.get("total_bytes") is None:
-        return None, None
-    return XlaPlan(int(xla["total_bytes"]), int(xla["largest_bytes"])), xla.get("overshoot")
+        return None, None, 0
+    return (XlaPlan(int(xla["total_bytes"]), int(xla["largest_bytes"])), xla.get("overshoot"),
+            int(xla.get("held_peak") or 0))

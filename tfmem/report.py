@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from tfmem.budget import ESTIMATE_ERROR, Budget, PlanVerdict
+from tfmem.budget import ESTIMATE_ERROR, XLA_FRACTION, Budget, PlanVerdict
 from tfmem.config import Config, format_size
 from tfmem.memory import MemoryEstimate
 from tfmem.passes import RewriteRecord
@@ -37,6 +37,10 @@ if TYPE_CHECKING:  # the stages build reports: a runtime import would be circula
     from tfmem.stages import Compiled, Rewritten, Traced
 
 Status = Literal["rewritten", "unchanged", "fallback"]
+
+
+# The live tensors at the peak `str(report)` lists, each with what keeps it alive.
+_PEAK_TENSORS_SHOWN = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +224,12 @@ class Report:
         """Whether the rewritten program's estimate fits the budget (None: no budget)."""
         if self.budget is None or self.status == "fallback" or self.memory_after is None:
             return None
-        if self.xla_bytes_after is not None and self.config.jit_compile:  # XLA's own plan: the closer bound
-            if self.xla_overshoot_after is not None:
-                return self.xla_overshoot_after <= 1
-            return self.xla_bytes_after <= self.budget.xla_bytes
+        # The two rules of tfmem.budget: XLA's plan where it was asked for, else the estimate.
+        plan = self.compiled.checked_plan if self.compiled is not None else None
+        if plan is not None and self.config.jit_compile:
+            return self.budget.fits_xla_plan(plan.total_bytes, plan.largest_bytes, self.compiled.held_peak)
+        if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
+            return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
         return self.memory_after.peak_bytes <= self.budget.plan_bytes
 
     @property
@@ -255,10 +261,16 @@ class Report:
         line = f"{outcome} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
         verdict = self.verdict
         if not self.fits and verdict is not None and not verdict.fits:
-            line += f" — {verdict.reason}"
-        elif not self.fits and self.xla_bytes_after is not None and self.xla_bytes_after <= self.budget.xla_bytes:
+            line += f" — {verdict.reason}; {self.memory_after.in_words()}"
+        elif not self.fits and self.xla_bytes_after is not None and self.xla_bytes_after <= self.budget.nbytes:
             line += (f" — XLA's largest block, {format_size(self.xla_largest_bytes_after)}, may not find room in "
                      "one piece beside the allocator's earlier regions")
+        elif self.fits and self.xla_bytes_after is not None:
+            spare = self.budget.nbytes - self.xla_bytes_after
+            if self.xla_bytes_after > self.budget.xla_bytes:
+                line += f" — with {format_size(spare)} to spare, under the {1 - XLA_FRACTION:.0%} margin planned for"
+            if after is not None and after > self.budget.nbytes:
+                line += " — XLA's plan decides: the static estimate counts more than XLA keeps alive"
         return line
 
     def __str__(self) -> str:
@@ -274,9 +286,11 @@ class Report:
                      format_size(self.xla_bytes_after))]
             widths = [max(len(r[i]) for r in rows) for i in range(3)]
             lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-            lines.append(f"  peak before: {self.memory_before}")
+            lines.append(f"  peak before: {self.memory_before.in_words()}")
             if self.memory_after is not None:
-                lines.append(f"  peak after:  {self.memory_after}")
+                lines.append(f"  peak after:  {self.memory_after.in_words()}, at {self.memory_after.peak_node}")
+                lines += [f"    {tensor.why(self.memory_after.peak_node)}"
+                          for tensor in self.memory_after.live_at_peak[:_PEAK_TENSORS_SHOWN]]
         if self.first_run_seconds is not None:
             parts = self.first_call_seconds
             lines.append(f"  first call {sum(parts.values()):.2f} s: "

@@ -176,8 +176,10 @@ class Compiled:
 
     Attributes:
         checked_plan: XLA's plan for it, when `compile_within_budget` checked one.
-        xla_overshoot: `Budget.xla_overshoot` of that plan (≤ 1: it fits), given what the
-            allocator held before.
+        xla_overshoot: `Budget.xla_overshoot` of that plan against XLA's share (≤ 1: within
+            the share planning aims for), given what the allocator held before.
+        held_peak: the allocator's peak when the plan was checked (`Budget.fits_xla_plan`
+            judges the plan beside the regions it grew).
         check_seconds: how long asking XLA took (it compiles the program).
     """
 
@@ -187,6 +189,7 @@ class Compiled:
     checked_plan: XlaPlan | None = None
     xla_overshoot: float | None = None
     check_seconds: float = 0.0
+    held_peak: int = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
@@ -261,7 +264,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             return dataclasses.replace(compiled, check_seconds=check_seconds)
         overshoot = budget.xla_overshoot(planned.total_bytes, planned.largest_bytes, held_peak)
         compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,
-                                       check_seconds=check_seconds)
+                                       check_seconds=check_seconds, held_peak=held_peak)
         if best is None or overshoot < best.xla_overshoot:
             best = compiled
         if overshoot <= 1 or attempt == _REPLANS:

@@ -121,3 +121,22 @@ def test_plan_cache_must_be_a_directory(tmp_path) -> None:
     with pytest.raises(ValueError, match="plan_cache: .* is not a directory"):
         tfmem.Config(plan_cache=str(a_file))
     assert tfmem.Config(plan_cache="").plan_cache is None
+
+
+@pytest.mark.parametrize("planned, fits", [(0.97, True), (1.02, False)])
+def test_a_plan_inside_the_budget_but_over_xlas_share_fits_with_little_to_spare(inputs, monkeypatch, planned,
+                                                                               fits) -> None:
+    from tfmem.memory import XlaPlan
+
+    budget = 8 * 2**20
+    plan = XlaPlan(int(planned * budget), int((planned - 0.01) * budget))
+    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: plan)
+    monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
+    traced = tfmem.TfmemFunction(kernel_times).trace(*inputs)
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), inputs, {})
+    assert kept.xla_overshoot > 1  # over the share planning aims for: it planned again
+    report = tfmem.Report.of(traced, kept)
+    assert report.fits is fits
+    summary = report.summary()
+    assert summary.startswith("fits" if fits else "does NOT fit")
+    assert ("to spare, under the 5% margin" in summary) is fits

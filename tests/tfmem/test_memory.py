@@ -120,3 +120,32 @@ def test_loop_invariants_handed_back_allocate_nothing() -> None:
     assert any(graph.spec(TensorRef(loop.name, i)).shape == [1000] for i in passed)
     # big (4000 B) is counted once, as an input, not again as the loop's output.
     assert estimate_memory(graph).peak_bytes < 2 * 4000
+
+
+def _kernel_held_for_a_later_sum(x):
+    k = tf.exp(x @ tf.transpose(x))  # [n, n], read again at the end
+    kk = k @ k  # the peak: k and k @ k alive together
+    return tf.reduce_sum(kk) + tf.reduce_sum(k)
+
+
+def test_the_peak_names_what_keeps_each_tensor_alive_and_reads_as_whole_matrices() -> None:
+    graph = graph_of(_kernel_held_for_a_later_sum, tf.TensorSpec([200, 3], tf.float64))
+    estimate = estimate_memory(graph)
+    by_op = {t.op: t for t in estimate.live_at_peak}
+    kernel = by_op["Exp"]
+    assert kernel.shape == (200, 200) and kernel.nbytes == 200 * 200 * 8
+    # Its last reader keeps it alive, at or after the peak.
+    assert kernel.held_for in {consumer for consumer, _ in graph.consumers(TensorRef(kernel.name.split(":")[0], 0))}
+    assert estimate.at(kernel.held_for) and "(Exp)" in kernel.why()
+    assert f"read later by {kernel.held_for}" in kernel.why() or kernel.held_for == estimate.peak_node
+    assert kernel.why("elsewhere").endswith(f"read later by {kernel.held_for}")
+    assert kernel.why(kernel.held_for).endswith("running at the peak")
+    words = estimate.in_words()
+    assert words.startswith(f"peak {tfmem.format_size(estimate.peak_bytes)} = ")
+    assert "whole float64[200, 200]" in words
+
+
+def test_a_tensor_held_to_the_end_says_so() -> None:
+    graph = graph_of(lambda x: (tf.exp(x), tf.reduce_sum(tf.sin(x))), tf.TensorSpec([1000], tf.float64))
+    (output,) = [t for t in estimate_memory(graph).live_at_peak if t.op == "Exp"]
+    assert output.held_for == "" and output.why().endswith("held to the end")
