@@ -140,3 +140,25 @@ def test_a_plan_inside_the_budget_but_over_xlas_share_fits_with_little_to_spare(
     summary = report.summary()
     assert summary.startswith("fits" if fits else "does NOT fit")
     assert ("to spare, under the 5% margin" in summary) is fits
+
+
+def test_the_allocators_peak_is_read_after_the_check_that_grew_it(inputs, monkeypatch) -> None:
+    from tfmem.memory import XlaPlan
+
+    mib = 2**20
+    grown = {"peak": 0}
+
+    def check(self, *args, **kwargs):  # XLA's compile grows the allocator's regions, as the rewrite can
+        grown["peak"] = 3 * mib
+        return XlaPlan(6 * mib, int(5.9 * mib))
+
+    monkeypatch.setattr(stages.Compiled, "xla_plan", check)
+    monkeypatch.setattr(stages, "allocator_peak", lambda: grown["peak"])
+    monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
+    traced = tfmem.TfmemFunction(kernel_times).trace(*inputs)
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=8 * mib), inputs, {})
+    assert kept.held_peak == 3 * mib
+    # Beside regions of up to 2 × 3 MiB the 5.9 MiB block has no room in 8 MiB; before them it had.
+    budget = tfmem.Budget(8 * mib, "config")
+    assert budget.fits_xla_plan(6 * mib, int(5.9 * mib), 0)
+    assert tfmem.Report.of(traced, kept).fits is False
