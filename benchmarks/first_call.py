@@ -40,10 +40,15 @@ from absl import app, flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FLAGS = flags.FLAGS
-flags.DEFINE_list("only", [], "Programs to run (default: every corpus program).")
-flags.DEFINE_string("out", HERE, "Directory for first_call.json and FIRST_CALL.md.")
-flags.DEFINE_bool("plan_cache", True, "Also time a second process that reuses the first one's plan.")
-flags.DEFINE_integer("steps", 5, "Warm calls timed for the steady-state step (the median is kept).")
+
+
+def define_flags() -> None:
+    """The command line's flags: defined when run as a script only, since other benchmark
+    modules imported beside this one (in the tests) define flags of the same names."""
+    flags.DEFINE_list("only", [], "Programs to run (default: every corpus program).")
+    flags.DEFINE_string("out", HERE, "Directory for first_call.json and FIRST_CALL.md.")
+    flags.DEFINE_bool("plan_cache", True, "Also time a second process that reuses the first one's plan.")
+    flags.DEFINE_integer("steps", 5, "Warm calls timed for the steady-state step (the median is kept).")
 
 _TIMEOUT = 900.0
 
@@ -199,4 +204,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
