@@ -76,7 +76,7 @@ XLA_FRACTION = 0.95
 # it is split further and runs.
 REGION_SLACK = 2.0
 # The most XLA's plan for a rewritten program exceeded tfmem's static estimate of it on
-# the corpus (benchmarks/corpus, 46 programs at their budgets: row_normalised 1.58,
+# the corpus (benchmarks/corpus at e6f299d, 46 programs at their budgets: row_normalised 1.58,
 # gpr_predict_mean_var 1.53, sgpr_predict_mean_var 1.27; most plan less than the
 # estimate), with a margin. A plan whose estimate times this fits XLA's share in one
 # block fits without asking XLA (`Budget.fits_unchecked`): the check is a full XLA
