@@ -170,10 +170,13 @@ class TfmemFunction:
         assert signature.traced is not None and signature.compiled is not None
         warn(f"tfmem: {self._name}{signature.report.signature}{signature.report.where} ran out of memory on its "
              f"first call with a plan XLA was not asked about ({first_line(err)}); planning again with XLA's plan")
-        config, budget = signature.report.config, signature.report.budget
+        config, budget, unchecked = signature.report.config, signature.report.budget, signature.compiled
         signature.compiled = compile_within_budget(
             signature.traced, config, args, kwargs, passes=self._passes, lint=self._lint, budget=budget,
             input_signature=self._input_signature, name=f"tfmem_{self._scope}", ask_xla=True)
+        for key, shared in list(self._rewrites.items()):  # replicas yet to build take the new plan
+            if shared.rewritten.graph is unchecked.rewritten.graph:
+                self._rewrites[key] = signature.compiled
         signature.report = Report.of(signature.traced, signature.compiled, config=config,
                                      replica=signature.report.replica)
         self._warn_about_plan(signature.report)
