@@ -218,43 +218,32 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     is a full compilation, as long as the one that runs the program, so it is asked only
     when the estimate cannot settle the question:
 
-    1. The passes plan to `Budget.unchecked_bytes` first. A plan whose estimate fits
-       even when XLA plans the estimate's largest measured error more
-       (`Budget.fits_unchecked`) is compiled once, to run.
-    2. Otherwise they plan to `Budget.plan_bytes` and XLA's plan is checked. When it is
-       over `Budget.xla_bytes`, or has a block too large to find room beside the rest
-       (`Budget.xla_overshoot`), the passes run again to a plan scaled down by the
-       overshoot, up to `_REPLANS` times; not when the static plan already missed its
-       own target (a tighter one meets the same wall).
+    1. The passes plan to `Budget.plan_bytes`. A plan whose estimate fits even when XLA
+       plans the estimate's largest measured error more (`Budget.fits_unchecked`) is
+       compiled once, to run. (Planning lower on purpose to get there would take smaller
+       chunks, and every later step would pay for the compile saved once.)
+    2. Otherwise XLA's plan is checked. When it is over `Budget.xla_bytes`, or has a
+       block too large to find room beside the rest (`Budget.xla_overshoot`), the passes
+       run again to a plan scaled down by the overshoot, up to `_REPLANS` times; not when
+       the static plan already missed its own target (a tighter one meets the same wall).
 
-    `ask_xla`: skip step 1 (the wrapper asks again so when an unchecked plan ran out
-    of memory).
+    `ask_xla`: skip the first rule (the wrapper asks again so when an unchecked plan ran
+    out of memory).
     """
     budget = budget if budget is not None else resolve_budget(config)
+    rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget)
     if budget is None or not config.jit_compile:
-        return traced.rewrite(config, passes=passes, lint=lint, budget=budget).compile(
-            input_signature=input_signature, name=name)
-    # A little under the share: the split pass's own estimate of its plan can be a few
-    # percent under the estimate of the finished graph.
-    lean = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
-                          target_bytes=int(budget.unchecked_bytes * _REPLAN_MARGIN))
+        return rewritten.compile(input_signature=input_signature, name=name)
     # The allocator's peak is read after each rewrite and check, not before: rewriting
     # (Grappler's constant folding) and XLA's compilation allocate too, and the regions
     # they grow stay (SGPR Matern52 N=40,000 under 192 MiB: 11.4 MiB before the rewrite,
     # 30.3 MiB after it, and XLA's 137.4 MiB block then found no room).
-    if not ask_xla and budget.fits_unchecked(lean.memory.peak_bytes, allocator_peak()):
+    if not ask_xla and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_peak()):
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
-            f"not asked: the estimated peak {format_size(lean.memory.peak_bytes)} fits even if XLA plans "
+            f"not asked: the estimated peak {format_size(rewritten.memory.peak_bytes)} fits even if XLA plans "
             f"{ESTIMATE_ERROR}× it (the estimate's largest error measured on the corpus) in one block"))
-        lean = dataclasses.replace(lean, records=(*lean.records, note))
-        return lean.compile(input_signature=input_signature, name=name)
-    rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget)
-    rewritten = dataclasses.replace(rewritten, seconds=rewritten.seconds + lean.seconds, records=(
-        RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
-            f"planned to {format_size(budget.unchecked_bytes)} first, where XLA's plan need not be asked; "
-            f"the estimate stayed at {format_size(lean.memory.peak_bytes)}: planned to "
-            f"{format_size(budget.plan_bytes)} and asked XLA")),
-        *rewritten.records))
+        rewritten = dataclasses.replace(rewritten, records=(*rewritten.records, note))
+        return rewritten.compile(input_signature=input_signature, name=name)
     compiled = rewritten.compile(input_signature=input_signature, name=name)
     check_seconds = 0.0
     best: Compiled | None = None  # a re-plan can come out worse (more loops, more held): keep the best
