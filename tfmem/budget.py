@@ -19,15 +19,17 @@ within it. It comes from, in order:
    `tf.distribute` strategy that use the same allocator.
 
 The verdict — whether a rewritten program fits its budget (`Report.fits`, and the
-warning when it does not) — is decided here and nowhere else, by one of two rules:
+warning when it does not) — is decided here and nowhere else:
 
-- without XLA's plan, `Budget.fits_unchecked`: the static estimate times
-  `ESTIMATE_ERROR` (the most XLA's plan exceeded the estimate on the corpus), taken as
-  one block, fits XLA's share beside the regions the allocator already grew;
+- under XLA, without asking for its plan, `Budget.fits_unchecked`: the static estimate
+  times `ESTIMATE_ERROR` (the most XLA's plan exceeded the estimate on the corpus), taken
+  as one block, fits XLA's share beside the regions the allocator already grew;
 - with XLA's plan (asked for only when the first rule cannot say yes: it costs a
   compilation), `Budget.fits_xla_plan`: the plan fits the budget and its block of
   temporaries finds room in one piece. (Planning aims lower, at `XLA_FRACTION` of the
-  budget: `Budget.xla_overshoot` over that share makes the passes plan again.)
+  budget: `Budget.xla_overshoot` over that share makes the passes plan again);
+- where there is no XLA plan to ask for (`jit_compile: false`, or XLA cannot compile
+  the program), `Budget.fits_estimate`: the estimate within the planning share.
 
 The real peak TensorFlow's BFC allocator reports can come close to the limit even so:
 a block that needs a new region gets the whole region when it is under twice the
@@ -98,19 +100,18 @@ class Budget:
         """What the static estimate may reach for the program to count as fitting."""
         return int(self.nbytes * PLANNING_FRACTION)
 
-    @property
-    def unchecked_bytes(self) -> int:
-        """What the static estimate may reach for the program to fit without asking XLA:
-        XLA's share over the estimate's largest measured error (`ESTIMATE_ERROR`)."""
-        return int(self.xla_bytes / ESTIMATE_ERROR)
+    def fits_estimate(self, estimate_bytes: int) -> bool:
+        """The verdict where no XLA plan can be asked for: the static estimate within the
+        planning share (`plan_bytes`). A plan that passed `fits_unchecked` passes this too."""
+        return estimate_bytes <= self.plan_bytes
 
     def fits_unchecked(self, estimate_bytes: int, held_peak: int = 0) -> bool:
         """Whether a program estimated at `estimate_bytes` fits with no XLA check: even
         with XLA planning `ESTIMATE_ERROR` times the estimate, all in one block, beside
         regions the allocator grew for earlier allocations peaking at `held_peak`.
 
-        This is the whole rule for the verdict without XLA's plan; with it, the rule is
-        `xla_overshoot(...) <= 1`. The two are the only places a verdict is decided.
+        This is the rule for skipping XLA's check; with XLA's plan, the rule is
+        `fits_xla_plan` (see the module docstring for all three).
 
         Example:
             >>> budget = Budget(1000, "config")       # XLA's share 950; unchecked 542

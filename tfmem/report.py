@@ -224,13 +224,14 @@ class Report:
         """Whether the rewritten program's estimate fits the budget (None: no budget)."""
         if self.budget is None or self.status == "fallback" or self.memory_after is None:
             return None
-        # The two rules of tfmem.budget: XLA's plan where it was asked for, else the estimate.
+        # The rules of tfmem.budget: XLA's plan where it was asked for, else the estimate
+        # (a plan compiled without asking XLA passed `fits_unchecked`, stricter than this).
         plan = self.compiled.checked_plan if self.compiled is not None else None
         if plan is not None and self.config.jit_compile:
             return self.budget.fits_xla_plan(plan.total_bytes, plan.largest_bytes, self.compiled.held_peak)
         if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
             return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
-        return self.memory_after.peak_bytes <= self.budget.plan_bytes
+        return self.budget.fits_estimate(self.memory_after.peak_bytes)
 
     @property
     def where(self) -> str:
