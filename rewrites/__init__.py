@@ -6,14 +6,17 @@ its class to `PASSES_BY_STAGE`.
 """
 from __future__ import annotations
 
+from rewrites.add_diagonal import AddDiagonal
 from rewrites.cleanup import ForwardIdentities
 from rewrites.compose_transposes import ComposeTransposes
 from rewrites.detach_constants import DetachConstants
 from rewrites.grappler_cleanup import GrapplerCleanup
 from rewrites.order_only_edges import DropOrderOnlyControlEdges
+from rewrites.solve_not_invert import SolveInsteadOfInverse
 from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
 from rewrites.diag_of_product import ContractDiagOfProduct
+from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
 from rewrites.scale_by_diagonal import ScaleByDiagonal
 from rewrites.split import SplitOversizedRegions
@@ -22,7 +25,7 @@ from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup, DropOrderOnlyControlEdges),
-    "match_and_replace": (ExpandSquaredDistance, ComposeTransposes),
+    "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, SolveInsteadOfInverse, ComposeTransposes),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     "split": (SplitOversizedRegions,),
 }
