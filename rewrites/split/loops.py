@@ -87,6 +87,10 @@ def _highest(dtype: tf.DType) -> Any:
     return np.inf if dtype.is_floating else dtype.max
 
 
+# Merges that keep the earliest chunk's candidate on ties: their chunks must run in order.
+ORDERED_MERGES = frozenset({"argmax", "argmin", "topk"})
+
+
 class _Combiner:
     """Starts and merges the accumulators of one sink across chunks."""
 
@@ -106,11 +110,8 @@ class _Combiner:
         self.source_dtype = graph.spec(self.source).dtype
 
     def initial(self) -> list[tf.Tensor]:
-        """The accumulators before the first chunk: the identity of the merge.
-
-        (So every chunk runs inside the loop: a first chunk peeled off to start the
-        accumulators would hold its temporaries beside the rest of the program.)
-        """
+        """The accumulators before the first chunk: the identity of the merge (for the
+        ordered merges; the others start from a chunk computed before the loop)."""
         def filled(spec: tf.TensorSpec, value: Any) -> tf.Tensor:
             return tf.fill(spec.shape.as_list(), tf.constant(value, spec.dtype))
 
@@ -200,12 +201,29 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
                     for n in sink_names]
         return list(written), partials
 
+    # Merges that do not depend on the order of the chunks start from a chunk computed
+    # before the loop, whose partial results are the accumulators' first values: no
+    # identity-filled accumulator is materialised. (XLA merges the identical fills of
+    # several loops into one buffer, alive from the first loop to the last: a whole
+    # [M, M] at GPflow SGPR's gradient peak.) That chunk is the remainder, else the first.
+    # Top-k and arg-max keep the earliest chunk on ties, so their chunks run in order.
+    peel = bool(sink_names) and not any(combiners[n].kind in ORDERED_MERGES for n in sink_names)
+
     def build(*tensors: tf.Tensor) -> list[tf.Tensor]:
-        acc = [combiners[n].initial() for n in sink_names]
         chunk_shapes = [_to_front_shape(graph.spec(ref).shape.as_list(), axis, chunk)
                         for ref, axis in zip(write_outs, out_axes)]
         arrays = [tf.TensorArray(graph.spec(ref).dtype, size=full, element_shape=shape)
                   for ref, shape in zip(write_outs, chunk_shapes)]
+        first = 0  # the first full chunk the loop computes
+        last_written: list[tf.Tensor] = []
+        if peel and remainder:
+            last_written, acc = run_chunk(tensors, full * chunk, remainder)
+        elif peel:
+            written, acc = run_chunk(tensors, 0, chunk)
+            arrays = [ta.write(0, _to_front(w, a)) for ta, w, a in zip(arrays, written, out_axes)]
+            first = 1
+        else:
+            acc = [combiners[n].initial() for n in sink_names]
 
         def body(i: tf.Tensor, acc: list, arrays: list) -> tuple:
             written, partials = run_chunk(tensors, i * chunk, chunk)
@@ -213,10 +231,9 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
             arrays = [ta.write(i, _to_front(w, a)) for ta, w, a in zip(arrays, written, out_axes)]
             return i + 1, acc, arrays
 
-        _, acc, arrays = tf.while_loop(lambda i, *_: i < full, body, (tf.constant(0), acc, arrays),
-                                       maximum_iterations=full)
-        last_written: list[tf.Tensor] = []
-        if remainder:
+        _, acc, arrays = tf.while_loop(lambda i, *_: i < full, body, (tf.constant(first), acc, arrays),
+                                       maximum_iterations=full - first)
+        if remainder and not peel:
             last_written, partials = run_chunk(tensors, full * chunk, remainder)
             acc = [combiners[n].merge(a, p) for n, a, p in zip(sink_names, acc, partials)]
         outputs = []
