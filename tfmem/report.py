@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tfmem.budget import ESTIMATE_ERROR, XLA_FRACTION, Budget, PlanVerdict
 from tfmem.config import Config, format_size
-from tfmem.memory import MemoryEstimate
+from tfmem.memory import MemoryEstimate, XlaPlan
 from tfmem.passes import RewriteRecord
 
 if TYPE_CHECKING:  # the stages build reports: a runtime import would be circular
@@ -59,14 +59,14 @@ class Report:
             `strategy.run`; its budget is then that replica's), else None.
         xla_bytes_before: XLA's planned bytes for the original under
             `tf.function(jit_compile=True)` (`explain` only).
-        explained_xla_bytes: XLA's planned bytes for the rewritten program, where
-            `explain` asked for them (no plan was checked against a budget).
+        explained_xla_plan: XLA's plan for the rewritten program, where `explain` asked
+            for it (no plan was checked against a budget).
         first_run_seconds: the first call of the compiled program (XLA compiles it
             then, and runs it), once it was made.
 
     Properties (computed from the stages): status, reason, budget, verdict, records,
     pass_seconds, pipeline_seconds, memory_before, memory_after, nodes_before,
-    nodes_after, xla_bytes_after, xla_largest_bytes_after, xla_overshoot_after,
+    nodes_after, xla_plan_after, xla_peak_after, xla_bytes_after, xla_largest_bytes_after, xla_overshoot_after,
     xla_check_seconds, first_call_seconds, plan_from_cache, original_graph_def, rewritten_graph_def.
     """
 
@@ -79,7 +79,7 @@ class Report:
     fallback_reason: str = ""
     replica: Any = None
     xla_bytes_before: int | None = None
-    explained_xla_bytes: int | None = None
+    explained_xla_plan: XlaPlan | None = None
     first_run_seconds: float | None = None
 
     @classmethod
@@ -155,11 +155,23 @@ class Report:
         return len(self.rewritten.graph) if self.rewritten is not None else 0
 
     @property
-    def xla_bytes_after(self) -> int | None:
-        """XLA's planned bytes for the rewritten program: as checked against the budget,
-        else as `explain` asked for them."""
+    def xla_plan_after(self) -> XlaPlan | None:
+        """XLA's plan for the rewritten program: as checked against the budget, else as
+        `explain` asked for it."""
         plan = self.compiled.checked_plan if self.compiled is not None else None
-        return plan.total_bytes if plan is not None else self.explained_xla_bytes
+        return plan if plan is not None else self.explained_xla_plan
+
+    @property
+    def xla_peak_after(self) -> MemoryEstimate | None:
+        """What XLA keeps alive at its peak in the rewritten program (`xla_live_at_peak`)."""
+        plan = self.xla_plan_after
+        return plan.peak if plan is not None else None
+
+    @property
+    def xla_bytes_after(self) -> int | None:
+        """XLA's planned bytes for the rewritten program (`xla_plan_after`'s total)."""
+        plan = self.xla_plan_after
+        return plan.total_bytes if plan is not None else None
 
     @property
     def xla_largest_bytes_after(self) -> int | None:
@@ -292,6 +304,11 @@ class Report:
                 lines.append(f"  peak after:  {self.memory_after.in_words()}, at {self.memory_after.peak_node}")
                 lines += [f"    {tensor.why(self.memory_after.peak_node)}"
                           for tensor in self.memory_after.live_at_peak[:_PEAK_TENSORS_SHOWN]]
+            xla_peak = self.xla_peak_after
+            if xla_peak is not None:  # what the estimate above tries to predict
+                lines.append(f"  XLA's peak:  {xla_peak.in_words()}, at {xla_peak.peak_node} (packed into a "
+                             f"{format_size(self.xla_plan_after.largest_bytes)} block)")
+                lines += [f"    {tensor} ({tensor.op})" for tensor in xla_peak.live_at_peak[:_PEAK_TENSORS_SHOWN]]
         if self.first_run_seconds is not None:
             parts = self.first_call_seconds
             lines.append(f"  first call {sum(parts.values()):.2f} s: "

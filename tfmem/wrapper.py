@@ -435,8 +435,7 @@ class TfmemFunction:
                                 input_signature=self._input_signature)
             report = dataclasses.replace(report, xla_bytes_before=xla_planned_bytes(stock, *args, **kwargs))
         if report.xla_bytes_after is None and signature.compiled is not None:
-            report = dataclasses.replace(report, explained_xla_bytes=signature.compiled.xla_planned_bytes(
-                *args, **kwargs))
+            report = dataclasses.replace(report, explained_xla_plan=signature.compiled.xla_plan(*args, **kwargs))
         signature.report = report
         return report
 

@@ -90,6 +90,31 @@ def test_xla_plan_names_the_largest_allocation_without_the_parameters() -> None:
     assert 4_000_000 <= plan.largest_bytes < 8_000_000  # the [1000, 1000] temporary
 
 
+def test_xlas_live_set_at_its_peak_names_the_tensorflow_ops_it_keeps() -> None:
+    def two_products(x: tf.Tensor) -> tf.Tensor:
+        gram = tf.matmul(x, x, transpose_b=True, name="gram")  # [1000, 1000], alive at the peak
+        return tf.reduce_sum(tf.exp(gram) @ gram, 0)
+
+    plan = tfmem.xla_plan(tf.function(two_products, jit_compile=True), tf.ones([1000, 10]))
+    peak = plan.peak
+    assert peak is not None and peak.peak_bytes <= plan.largest_bytes
+    assert peak.peak_bytes == sum(t.nbytes for t in peak.live_at_peak)
+    gram = [t for t in peak.live_at_peak if t.name.split("/")[-1] == "gram"]  # op_name: [function/]node
+    assert gram and gram[0].shape == (1000, 1000) and gram[0].dtype == "float32" and gram[0].nbytes == 4_000_000
+    assert peak.peak_bytes >= 2 * 4_000_000  # the product is formed while gram is still read
+    assert "2 whole float32[1000, 1000]" in peak.in_words()
+
+
+def test_the_report_shows_xlas_peak_beside_the_estimate() -> None:
+    f = tfmem.function(lambda x: tf.reduce_sum(tf.exp(x @ tf.transpose(x)) @ x, 0),
+                       config=tfmem.Config(memory_budget="2MiB"))
+    x = tf.ones([1000, 10])
+    report = f.report(x)
+    assert report.xla_plan_after is not None and report.xla_peak_after is not None
+    text = str(report)
+    assert "  XLA's peak:  peak " in text and "block)" in text
+
+
 def test_isolated_run_reports_peak_and_real_oom() -> None:
     ok = run_isolated("tfmem.examples:allocate", 16, memory_limit_mb=256, timeout=120)
     assert ok.status == "ok", ok.error
