@@ -93,6 +93,16 @@ def test_compare_catches_wrong_values_indices_and_shapes() -> None:
     assert not compare([None, want[1]], want, program)["equal"]
 
 
+def test_compare_takes_rounding_noise_as_zero_but_not_a_small_output() -> None:
+    program = PROGRAMS["vgp_matern52_grad"]  # rtol 1e-6; its lengthscale gradients are rounding noise
+    loss, noise = np.array(3.6e3), np.array([-9.9e-14, -5.0e-14, -2.0e-14])
+    assert compare([loss, noise * [1.0, 0.1, 0.4]], [loss, noise], program)["equal"]  # both ~1e-16 of 3.6e3
+    small = np.array([2.0e-3, -1.0e-3, 5.0e-4])  # small, but far above the noise: compared relatively
+    assert not compare([loss, small * 1.01], [loss, small], program)["equal"]
+    assert not compare([loss, small], [loss, noise], program)["equal"]  # noise on one side only
+    assert not compare([loss, noise], [loss, small], program)["equal"]
+
+
 @pytest.mark.parametrize("name", CI_PROGRAMS)
 def test_stock_xla_does_not_fit_big(trials: Trials, name: str) -> None:
     program = PROGRAMS[name]
