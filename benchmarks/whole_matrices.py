@@ -176,8 +176,7 @@ def render(document: dict[str, Any]) -> str:
         lines += [f"## {title}", "", "| size | method | outcome | real peak | whole matrices | XLA plans | tfmem's verdict |",
                   "|---|---|---|---|---|---|---|"]
         for row in (r for r in document["rows"] if r["case"] == case):
-            verdict = row.get("summary") or "-"
-            verdict = verdict.split(":")[0] if verdict != "-" else verdict
+            verdict = {True: "fits", False: "does NOT fit"}.get(row.get("fits"), "-")
             lines.append(f"| {row['size']} | {'stock XLA' if row['method'] == 'xla' else 'tfmem'} | {row['outcome']} | "
                          f"{format_size(row['real_peak']) if row['outcome'] == 'ok' else '-'} | "
                          f"{row['peak_in_matrices']:.1f} | " if row["outcome"] == "ok" else
