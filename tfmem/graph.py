@@ -354,6 +354,17 @@ class Graph:
         """Nodes `name` reads data from or waits on by control edge, each once, in input order."""
         return self._parse(name)[2]
 
+    def ancestors(self, name: str) -> set[str]:
+        """`name` and every node it depends on, through data and control edges."""
+        seen: set[str] = set()
+        stack = [name]
+        while stack:
+            current = stack.pop()
+            if current not in seen:
+                seen.add(current)
+                stack.extend(self.producers(current))
+        return seen
+
     def _schedule(self, priority: Callable[[str], Any],
                   reprioritize: Callable[[str], Iterable[str]] | None) -> list[str]:
         base = self.topological_order()

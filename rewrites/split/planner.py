@@ -21,18 +21,23 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from tfmem.budget import PlanVerdict
 from tfmem.config import format_size
+from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.memory import MemoryEstimate, estimate_memory
 from tfmem.passes import RewriteRecord
 
+from rewrites.split.diagonals import lower_diagonals
 from rewrites.split.loops import emit_loop
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
+from rewrites.split.sink import WHILE_OPS, invariant_slots, loop_invariant, sink_invariant
 
 RULE = "SplitOversizedRegions"
+SINK_RULE = "RecomputeLoopInvariant"
 _MAX_LOOPS = 64
 _MAX_BUDGET_STEPS = 48
 # The shares of the target the budget's first splits are sized by (its chunks are then
@@ -118,8 +123,10 @@ class Planner:
         """Splits by threshold (if any; else, when over `target`, every tensor surely too
         large to hold), then to fit `target`."""
         if threshold is not None:
+            self.sink_all(min(threshold, target // _SURELY_SPLIT_SHARE), target, split_size)
             self.split_all(threshold, split_size)
         elif estimate_memory(self.graph).peak_bytes > target:
+            self.sink_all(target // _SURELY_SPLIT_SHARE, target, split_size)
             self.split_all(target // _SURELY_SPLIT_SHARE, min(split_size or target, target // _FIRST_BODY_SHARE))
         return self.fit_budget(target, split_size)
 
@@ -160,6 +167,24 @@ class Planner:
                 self.pass_name, RULE, "rejected", (), f"splitting {', '.join(tensors)} would raise the "
                 f"program's peak from {format_size(before)} to {format_size(after)}: the loops keep more alive "
                 "than they save, so nothing is split", kind="split"))
+
+    def sink_all(self, limit: int, plan: int, split_size: int | None) -> None:
+        """Recomputes every loop invariant over `limit` bytes inside its loop, in chunks
+        (`_sink_into_loops`), where that does not raise the program's peak."""
+        graph = self.graph
+        for loop in [n.name for n in graph.find(WHILE_OPS)]:
+            if loop not in graph:
+                continue
+            for ref in dict.fromkeys(graph.inputs(loop)):
+                if loop not in graph or (graph.nbytes(ref) or 0) <= limit or not invariant_slots(graph, ref):
+                    continue
+                before, checkpoint = estimate_memory(graph), self._checkpoint()
+                # K + σ²I's diagonal update, as selects: its rows can then be recomputed in chunks.
+                ref = lower_diagonals(graph, limit, graph.ancestors(ref.node)).get(ref, ref)
+                if self._sink_into_loops(ref, before, plan, split_size) is None:
+                    rejections = self.records[len(checkpoint[2]):]
+                    self._rollback(checkpoint)  # the diagonals too
+                    self.records.extend(rejections)
 
     # --- by budget --------------------------------------------------------------------
 
@@ -209,6 +234,9 @@ class Planner:
                 continue
             if live.nbytes * _WORTH_SPLITTING < min(over, chunk_budget):
                 break  # largest first: what is left is too small to matter (or to split)
+            sunk = self._sink_into_loops(seed, estimate, plan, split_size)
+            if sunk is not None:
+                return sunk  # its readers outside the loops (if any) are split next
             self.given_up.add(seed)
             region, reason = best_region(graph, seed, live.nbytes - 1, chunk_budget)
             if region is None:
@@ -236,6 +264,67 @@ class Planner:
             self.given_up.add(seed)
             self._reject(seed, f"splitting it does not lower the program's peak ({format_size(estimate.peak_bytes)}"
                                f" → {format_size(after.peak_bytes)}): what its loop keeps alive costs as much")
+        return None
+
+    def _sink_into_loops(self, seed: TensorRef, estimate: MemoryEstimate, plan: int,
+                         split_size: int | None) -> MemoryEstimate | None:
+        """Recomputes `seed`, a loop invariant, inside each loop that reads it, in chunks
+        (`rewrites.split.sink`); the new estimate, or None when no loop reads it so or
+        the program's peak does not fall (then nothing changes)."""
+        graph = self.graph
+        # The user's loops only: this planner's own loops read their whole inputs by design.
+        slots = [(loop, slot) for loop, slot in invariant_slots(graph, seed) if self._loop_running(loop) is None]
+        if not slots:
+            return None
+        nbytes = graph.nbytes(seed) or 0
+        chunk_budget = max(1, min(split_size or plan, plan // _FIRST_CHUNK_SHARE))
+        checkpoint = self._checkpoint()
+        fired = False
+        body_verdicts: dict[str, PlanVerdict] = {}
+        for loop, slot in slots:
+            found = loop_invariant(graph, seed, loop, slot, leaf_limit=max(1, nbytes // _WORTH_SPLITTING))
+            if isinstance(found, str):
+                self._reject(seed, f"not recomputed in its loop: {found}")
+                continue
+            # The body may take what the loop's surroundings leave of the plan, once K is gone.
+            outside = max(0, estimate.at(loop)[0] - nbytes)
+
+            def plan_body(body: Graph, loop: str = loop, outside: int = outside) -> list[RewriteRecord]:
+                arguments = sum(body.nbytes(TensorRef(p.name)) or 0 for p in body.find("Placeholder"))
+                body_plan = max(plan // _SURELY_SPLIT_SHARE, int((plan - outside) * _CHUNK_MARGIN) + arguments)
+                inner, verdict = Planner.within(self.pass_name, body, body_plan, None, split_size or chunk_budget)
+                body.assign(inner.graph)
+                body_verdicts[loop] = verdict
+                return [dataclasses.replace(r, details={**r.details, "in_loop": loop})
+                        for r in inner.records if r.kind == "split"]
+
+            try:
+                body_records = sink_invariant(graph, found, plan_body)
+            except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
+                self._rollback(checkpoint)
+                self._reject(seed, f"not recomputed in loop {loop}: rebuilding it failed ({first_line(err)})")
+                return None
+            self.records.append(RewriteRecord(
+                self.pass_name, SINK_RULE, "fired", (seed.node,), kind="split",
+                reason=f"recomputed in each iteration of loop {loop} from "
+                       f"{', '.join(leaf.name for leaf in found.leaves) or 'constants'}, not held whole",
+                details={"tensor": seed.name, "bytes": nbytes, "loop": loop, "nodes": len(found.cone),
+                         "body_peak_bytes": body_verdicts[loop].peak_bytes,
+                         "body_loops": sum(1 for r in body_records if r.rule == RULE and r.status == "fired")}))
+            self.records.extend(body_records)
+            fired = True
+        if not fired:
+            return None
+        after = estimate_memory(graph)
+        # Kept when the peak falls; or, while readers outside the loops still hold the
+        # tensor (they are split next), when it stays level and every body met its plan.
+        if after.peak_bytes < estimate.peak_bytes or (
+                graph.consumers(seed) and after.peak_bytes <= estimate.peak_bytes * _TOLERATED_RISE
+                and all(v.fits for v in body_verdicts.values())):
+            return after
+        self._rollback(checkpoint)
+        self._reject(seed, f"recomputing it inside its loops does not lower the program's peak "
+                           f"({format_size(estimate.peak_bytes)} → {format_size(after.peak_bytes)})")
         return None
 
     def _shrink(self, loop: Loop, estimate: MemoryEstimate, plan: int) -> MemoryEstimate | None:

@@ -103,6 +103,16 @@ def test_compare_takes_rounding_noise_as_zero_but_not_a_small_output() -> None:
     assert not compare([loss, noise], [loss, small], program)["equal"]
 
 
+def test_compare_allows_stock_own_spread_on_programs_that_amplify_rounding() -> None:
+    program = PROGRAMS["conjugate_gradients"]  # rtol 1e-8; 15 unconverged CG steps
+    want = [np.array([1.0, -2.0])]
+    off = [want[0] * (1 + 3e-5)]
+    assert not compare(off, want, program)["equal"]
+    assert compare(off, want, program, spread=2e-5)["equal"]  # TF and XLA differ by as much
+    assert not compare(off, want, program, spread=1e-5)["equal"]  # more than twice stock's spread
+    assert not compare([want[0] * 1.5], want, program, spread=1.0)["equal"]  # capped: 1e5 · rtol
+
+
 @pytest.mark.parametrize("name", CI_PROGRAMS)
 def test_stock_xla_does_not_fit_big(trials: Trials, name: str) -> None:
     program = PROGRAMS[name]

@@ -1,0 +1,87 @@
+"""Diagonal reads and writes of a big matrix as elementwise selects, which split by rows.
+
+    set_diag(X, diag_part(X) + d)  →  X + where(I, d[..., None, :], 0)     I = (iota_r == iota_c)
+    set_diag(X, v)                 →  where(I, v[..., None, :], X)
+    diag_part(X)                   →  reduce_sum(where(I, X, 0), axis=-1)
+
+`set_diag` and `diag_part` (what `AddDiagonal` makes of `K + σ²I`) have no split rule:
+a row chunk's diagonal sits at a column that moves with the chunk. Written with the
+identity mask they are elementwise ops and a row reduction, which the split stage passes
+through, so a kernel matrix with jitter can be computed chunk by chunk (inside a loop that
+recomputes it, `rewrites.split.sink`). The values are the same bits: a select picks, the
+sum adds one diagonal entry to zeros. XLA lowers both ops to these same selects, so a
+program compiled with XLA does the same work; only the main diagonal (k = 0) of square
+matrices is lowered.
+
+Example:
+    >>> lowered = lower_diagonals(graph, limit=2**20)  # every set_diag / diag_part of a matrix over 1 MiB
+    >>> [old.name for old in lowered]
+    ['add_diagonal/diag_part:0', 'add_diagonal/set_diag:0']
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfmem.graph import Graph, TensorRef
+
+_SET_DIAG_OPS = frozenset({"MatrixSetDiagV2", "MatrixSetDiagV3"})
+_DIAG_PART_OPS = frozenset({"MatrixDiagPartV2", "MatrixDiagPartV3"})
+
+
+def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> dict[TensorRef, TensorRef]:
+    """Lowers every main-diagonal `set_diag` / `diag_part` of a square matrix over `limit`
+    bytes (among `names`, if given) to selects; returns each lowered output → its new tensor."""
+    lowered: dict[TensorRef, TensorRef] = {}
+    # Updates first: `set_diag(X, diag_part(X) + d)` is lowered whole, before its diag_part.
+    for node in sorted(graph.nodes, key=lambda n: n.op not in _SET_DIAG_OPS):
+        if node.name not in graph:
+            continue  # pruned: the diag_part of an update lowered whole
+        if node.op not in _SET_DIAG_OPS | _DIAG_PART_OPS or (names is not None and node.name not in names):
+            continue
+        inputs = graph.inputs(node.name)
+        matrix = inputs[0]
+        shape = graph.spec(matrix).shape
+        k = graph.constant_value(inputs[2] if node.op in _SET_DIAG_OPS else inputs[1])
+        if (not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2] or k is None
+                or np.any(np.asarray(k) != 0) or (graph.nbytes(matrix) or 0) <= limit):
+            continue
+        n = int(shape[-1])
+
+        def mask(n: int = n) -> tf.Tensor:
+            iota = tf.range(n)
+            return tf.equal(tf.expand_dims(iota, 1), tf.expand_dims(iota, 0))  # [n, n], broadcast in batches
+
+        added = _added_to_diagonal(graph, matrix, inputs[1]) if node.op in _SET_DIAG_OPS else None
+        if added is not None:  # set_diag(X, diag_part(X) + d): X + d·I, without X's diagonal read apart
+            [new] = graph.splice(lambda x, d: x + tf.where(mask(), _as_row(d), tf.zeros([], x.dtype)),
+                                 [matrix, added], scope=f"{node.name}_lowered")
+        elif node.op in _SET_DIAG_OPS:
+            [new] = graph.splice(lambda x, v: tf.where(mask(), tf.expand_dims(v, -2), x),
+                                 [matrix, inputs[1]], scope=f"{node.name}_lowered")
+        else:
+            [new] = graph.splice(lambda x: tf.reduce_sum(tf.where(mask(), x, tf.zeros([], x.dtype)), axis=-1),
+                                 [matrix], scope=f"{node.name}_lowered")
+        graph.replace_all_uses(TensorRef(node.name), new)
+        lowered[TensorRef(node.name)] = new
+        graph.prune()
+    return lowered
+
+
+def _added_to_diagonal(graph: Graph, matrix: TensorRef, diagonal: TensorRef) -> TensorRef | None:
+    """`d` when `diagonal` is `diag_part(matrix) + d` (what `AddDiagonal` writes), else None."""
+    node = graph.node(diagonal.node)
+    if node.op not in ("Add", "AddV2"):
+        return None
+    for position, ref in enumerate(graph.inputs(node.name)):
+        reader = graph.node(ref.node)
+        if reader.op in _DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix:
+            k = graph.constant_value(graph.inputs(ref.node)[1])
+            if k is not None and not np.any(np.asarray(k) != 0):
+                return graph.inputs(node.name)[1 - position]
+    return None
+
+
+def _as_row(d: tf.Tensor) -> tf.Tensor:
+    """`d` (per diagonal entry, or a scalar) broadcast along a matrix's rows."""
+    return tf.expand_dims(d, -2) if d.shape.rank else d

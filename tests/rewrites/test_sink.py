@@ -1,0 +1,211 @@
+"""Loop invariants recomputed in chunks inside the loop that reads them (`rewrites.split.sink`).
+
+Each program forms a kernel matrix K [n, n] outside a loop whose body reads it (conjugate
+gradients, power iteration). Under a budget that cannot hold K, tfmem must recompute K
+chunk by chunk in the body, and give stock's answer; where that cannot be done (the
+condition reads K, the body needs K whole, a gradient reads K too) the program runs as
+it was, with the reason recorded. Memory is checked by bounds: the static estimate and
+XLA's plan of the rewritten program stay under one whole K.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfmem
+from rewrites.split.diagonals import lower_diagonals
+from tfmem.graph import Graph
+
+SINK = "RecomputeLoopInvariant"
+
+
+def _kernel(x: tf.Tensor) -> tf.Tensor:
+    sq = tf.reduce_sum(x * x, 1)
+    return tf.exp(-0.5 * (sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True)))
+
+
+def conjugate_gradients(steps: int, jitter: float):
+    def solve(x, y):
+        n = x.shape[0]
+        a = _kernel(x) + jitter * tf.eye(n, dtype=x.dtype)
+
+        def body(i, sol, r, p, rr):
+            ap = a @ p
+            alpha = rr / tf.reduce_sum(p * ap)
+            sol, r = sol + alpha * p, r - alpha * ap
+            rr_new = tf.reduce_sum(r * r)
+            return i + 1, sol, r, r + (rr_new / rr) * p, rr_new
+
+        # maximum_iterations: XLA differentiates a while loop only with a bound on its trips.
+        _, sol, *_ = tf.while_loop(lambda i, *_: i < steps, body, (tf.constant(0), tf.zeros_like(y), y, y,
+                                                                    tf.reduce_sum(y * y)), maximum_iterations=steps)
+        return sol
+    return solve
+
+
+def power_iteration(x):
+    k = _kernel(x)
+    v = tf.ones([x.shape[0], 1], x.dtype)
+    for _ in tf.range(6):  # AutoGraph: a while loop that reads k
+        v = k @ v
+        v = v / tf.norm(v)
+    return tf.reduce_sum(v * (k @ v)), v  # k is read after the loop too
+
+
+def _records(report: tfmem.Report, rule: str, status: str = "fired") -> list:
+    return [r for r in report.records if r.rule == rule and r.status == status]
+
+
+def _points(rng: np.random.Generator, n: int, d: int = 3, dtype=np.float64) -> tf.Tensor:
+    return tf.constant(rng.normal(size=(n, d)) * 0.7, dtype)
+
+
+def _budget(n: int, dtype=tf.float64) -> str:
+    return f"{n * n * dtype.size // 3}B"  # a third of one whole K
+
+
+def test_conjugate_gradients_recompute_k_in_chunks_and_equal_stock(rng):
+    n = 400
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    fn = conjugate_gradients(steps=8, jitter=2.0)
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.explain(x, y)
+    [sunk] = _records(report, SINK)
+    assert sunk.details["bytes"] == n * n * 8
+    assert "x:0" in sunk.reason  # recomputed from the points, not from K
+    assert any(r.details.get("in_loop") == sunk.details["loop"] for r in _records(report, "SplitOversizedRegions"))
+    assert report.memory_after.peak_bytes < n * n * 8  # never one whole K: not in tfmem's estimate,
+    assert report.xla_bytes_after < n * n * 8  # nor in XLA's plan
+    assert report.xla_bytes_before > n * n * 8  # (stock holds K)
+    want = tf.function(fn, jit_compile=True)(x, y)
+    np.testing.assert_allclose(wrapped(x, y), want, rtol=1e-9, atol=1e-12 * float(tf.reduce_max(tf.abs(want))))
+
+
+def test_power_iteration_sinks_k_and_splits_its_read_after_the_loop(rng):
+    n = 400
+    x = _points(rng, n)
+    wrapped = tfmem.function(power_iteration, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.explain(x)
+    assert len(_records(report, SINK)) == 1
+    assert report.xla_bytes_after < n * n * 8
+    want = tf.function(power_iteration, jit_compile=True)(x)
+    for got, expected in zip(wrapped(x), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-9)
+
+
+def test_an_invariant_the_budget_can_hold_is_not_sunk(rng):
+    n = 200
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    fn = conjugate_gradients(steps=5, jitter=1.0)
+    report = tfmem.function(fn, config=tfmem.Config(memory_budget="64MiB")).report(x, y)
+    assert not _records(report, SINK)
+
+
+def test_a_body_that_needs_the_invariant_whole_runs_unchanged(rng):
+    n = 300
+
+    def fn(x):
+        k = _kernel(x) + tf.eye(n, dtype=x.dtype)
+
+        def body(i, acc):  # Cholesky reads K whole: recomputing it per trip would hold it anyway
+            return i + 1, acc + tf.reduce_sum(tf.linalg.cholesky(k * tf.cast(i + 1, k.dtype)))
+
+        return tf.while_loop(lambda i, _: i < 3, body, (tf.constant(0), tf.constant(0.0, tf.float64)))[1]
+
+    x = _points(rng, n)
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.report(x)
+    assert not _records(report, SINK)
+    assert any("does not lower" in r.reason for r in report.records if r.status == "rejected")
+    np.testing.assert_allclose(wrapped(x), tf.function(fn, jit_compile=True)(x), rtol=1e-9)
+
+
+def test_a_condition_that_reads_the_invariant_keeps_it(rng):
+    n = 300
+
+    def fn(x):
+        k = _kernel(x)
+
+        def body(i, v):
+            return i + 1, k @ v / float(n)
+
+        def cond(i, v):
+            return tf.logical_and(i < 4, tf.reduce_sum(v) < tf.reduce_sum(k))
+
+        return tf.while_loop(cond, body, (tf.constant(0), tf.ones([n, 1], x.dtype)))[1]
+
+    x = _points(rng, n)
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.report(x)
+    assert not _records(report, SINK)
+    assert any("its condition reads" in r.reason for r in report.records if r.status == "rejected")
+    np.testing.assert_allclose(wrapped(x), tf.function(fn, jit_compile=True)(x), rtol=1e-9)
+
+
+def test_a_gradient_through_the_loop_is_correct(rng):
+    """The backward loop reads K too: K is then not an invariant of one loop, and stays."""
+    n = 200
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    solve = conjugate_gradients(steps=4, jitter=2.0)
+
+    def loss_and_grad(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(solve(x, y) ** 2)
+        return loss, tape.gradient(loss, x)
+
+    wrapped = tfmem.function(loss_and_grad, config=tfmem.Config(memory_budget=_budget(n)))
+    want = tf.function(loss_and_grad, jit_compile=True)(x, y)
+    for got, expected in zip(wrapped(x, y), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-8)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(n=st.integers(250, 420), steps=st.integers(1, 6), jitter=st.sampled_from([0.5, 2.0]),
+       share=st.sampled_from([2, 3, 5]), dtype=st.sampled_from([tf.float32, tf.float64]))
+def test_property_sunk_conjugate_gradients_equal_stock(n, steps, jitter, share, dtype):
+    rng = np.random.default_rng(n * 31 + steps)
+    x = tf.constant(rng.normal(size=(n, 3)) * 0.7, dtype)
+    y = tf.constant(rng.normal(size=(n, 1)), dtype)
+    fn = conjugate_gradients(steps, jitter)
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=f"{n * n * dtype.size // share}B"))
+    assert _records(wrapped.report(x, y), SINK), "the example must exercise the rewrite"
+    want = tf.function(fn, jit_compile=True)(x, y)
+    rtol = 1e-9 if dtype == tf.float64 else 2e-4
+    np.testing.assert_allclose(wrapped(x, y), want, rtol=rtol, atol=rtol * float(tf.reduce_max(tf.abs(want))))
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("batch", [(), (2,)])
+def test_lowered_diagonal_ops_give_the_same_bits(rng, dtype, batch):
+    n = 7
+    a = tf.constant(rng.normal(size=(*batch, n, n)), dtype)
+    d = tf.constant(rng.normal(size=(*batch, n)), dtype)
+
+    def fn(a, d):
+        added = tf.linalg.set_diag(a, tf.linalg.diag_part(a) + d)  # AddDiagonal's form
+        return added, tf.linalg.set_diag(a, d), tf.linalg.diag_part(a * 2.0)
+
+    concrete = tf.function(fn).get_concrete_function(a, d)
+    graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
+    lowered = lower_diagonals(graph, limit=0)
+    assert {"MatrixSetDiagV3", "MatrixDiagPartV3"} <= {n.op for n in concrete.graph.as_graph_def().node}
+    assert not [n for n in graph.nodes if n.op in ("MatrixSetDiagV3", "MatrixDiagPartV3")]
+    assert len(lowered) == 3
+    out = _run_graph(graph, concrete, [a, d])
+    for got, want in zip(out, fn(a, d)):
+        np.testing.assert_array_equal(got, want)
+
+
+def _run_graph(graph: Graph, concrete, values) -> list[np.ndarray]:
+    names = [t.name for t in concrete.inputs]
+    graph_def = graph.to_graph_def()
+
+    def run(*tensors):
+        return tf.graph_util.import_graph_def(graph_def, input_map=dict(zip(names, tensors)),
+                                              return_elements=[o.name for o in graph.outputs])
+
+    return [t.numpy() for t in tf.function(run)(*values)]
