@@ -8,7 +8,10 @@ The planner (`planner`) chooses what to split: every tensor over
 budget, the largest tensors at the peak; it sizes chunks to the budget (fewest, largest
 chunks that fit). For each seed tensor it grows a region along each of its axes
 (`regions`), keeps the one that leaves fewest oversized tensors behind, and emits the
-loop (`loops`). Tensors it cannot split are left as they are, with the reason.
+loop (`loops`). Tensors it cannot split are left as they are, with the reason. A big
+tensor a user's `tf.while_loop` reads unchanged in every trip (a kernel matrix in
+conjugate gradients) is first recomputed inside that loop's body, which is then planned
+like a program of its own (`sink`).
 
 Conditions: static shapes; ops on the path must have a split rule (`op_rules`); a region's
 results must be sinks (reductions, contractions, top-k, arg-max/min) or tensors small
@@ -48,6 +51,7 @@ class SplitOversizedRegions(GraphPass):
             if threshold is None:
                 return PassResult(graph, False, [])
             planner = Planner(self.name, graph)
+            planner.sink_all(threshold, None, config.split_size)
             planner.split_all(threshold, config.split_size)
             return PassResult(graph, bool(planner.loops), planner.records)
         planner, verdict = Planner.within(self.name, graph, target, threshold, config.split_size)

@@ -168,23 +168,27 @@ class Planner:
                 f"program's peak from {format_size(before)} to {format_size(after)}: the loops keep more alive "
                 "than they save, so nothing is split", kind="split"))
 
-    def sink_all(self, limit: int, plan: int, split_size: int | None) -> None:
+    def sink_all(self, limit: int, plan: int | None, split_size: int | None) -> None:
         """Recomputes every loop invariant over `limit` bytes inside its loop, in chunks
-        (`_sink_into_loops`), where that does not raise the program's peak."""
+        (`_sink_into_loops`), where that does not raise the program's peak. A loop that
+        reads several is rebuilt once for each."""
         graph = self.graph
-        for loop in [n.name for n in graph.find(WHILE_OPS)]:
-            if loop not in graph:
-                continue
-            for ref in dict.fromkeys(graph.inputs(loop)):
-                if loop not in graph or (graph.nbytes(ref) or 0) <= limit or not invariant_slots(graph, ref):
-                    continue
-                before, checkpoint = estimate_memory(graph), self._checkpoint()
-                # K + σ²I's diagonal update, as selects: its rows can then be recomputed in chunks.
-                ref = lower_diagonals(graph, limit, graph.ancestors(ref.node)).get(ref, ref)
-                if self._sink_into_loops(ref, before, plan, split_size) is None:
-                    rejections = self.records[len(checkpoint[2]):]
-                    self._rollback(checkpoint)  # the diagonals too
-                    self.records.extend(rejections)
+        tried: set[TensorRef] = set()
+        while True:
+            candidates = [ref for loop in graph.find(WHILE_OPS) if self._loop_running(loop.name) is None
+                          for ref in graph.inputs(loop.name)
+                          if ref not in tried and (graph.nbytes(ref) or 0) > limit and invariant_slots(graph, ref)]
+            if not candidates:
+                return
+            ref = candidates[0]
+            tried.add(ref)
+            before, checkpoint = estimate_memory(graph), self._checkpoint()
+            # K + σ²I's diagonal update, as selects: its rows can then be recomputed in chunks.
+            ref = lower_diagonals(graph, limit, graph.ancestors(ref.node)).get(ref, ref)
+            if self._sink_into_loops(ref, before, plan, split_size, threshold=limit) is None:
+                rejections = self.records[len(checkpoint[2]):]
+                self._rollback(checkpoint)  # the diagonals too
+                self.records.extend(rejections)
 
     # --- by budget --------------------------------------------------------------------
 
@@ -266,18 +270,19 @@ class Planner:
                                f" → {format_size(after.peak_bytes)}): what its loop keeps alive costs as much")
         return None
 
-    def _sink_into_loops(self, seed: TensorRef, estimate: MemoryEstimate, plan: int,
-                         split_size: int | None) -> MemoryEstimate | None:
+    def _sink_into_loops(self, seed: TensorRef, estimate: MemoryEstimate, plan: int | None,
+                         split_size: int | None, threshold: int | None = None) -> MemoryEstimate | None:
         """Recomputes `seed`, a loop invariant, inside each loop that reads it, in chunks
         (`rewrites.split.sink`); the new estimate, or None when no loop reads it so or
-        the program's peak does not fall (then nothing changes)."""
+        the program's peak does not fall (then nothing changes). Each body is planned to
+        what the loop's surroundings leave of `plan`, or with no plan split by `threshold`."""
         graph = self.graph
         # The user's loops only: this planner's own loops read their whole inputs by design.
         slots = [(loop, slot) for loop, slot in invariant_slots(graph, seed) if self._loop_running(loop) is None]
         if not slots:
             return None
         nbytes = graph.nbytes(seed) or 0
-        chunk_budget = max(1, min(split_size or plan, plan // _FIRST_CHUNK_SHARE))
+        shape = f"{graph.spec(seed).dtype.name}{graph.spec(seed).shape.as_list()}"  # the seed goes when sunk
         checkpoint = self._checkpoint()
         fired = False
         body_verdicts: dict[str, PlanVerdict] = {}
@@ -290,9 +295,14 @@ class Planner:
             outside = max(0, estimate.at(loop)[0] - nbytes)
 
             def plan_body(body: Graph, loop: str = loop, outside: int = outside) -> list[RewriteRecord]:
-                arguments = sum(body.nbytes(TensorRef(p.name)) or 0 for p in body.find("Placeholder"))
-                body_plan = max(plan // _SURELY_SPLIT_SHARE, int((plan - outside) * _CHUNK_MARGIN) + arguments)
-                inner, verdict = Planner.within(self.pass_name, body, body_plan, None, split_size or chunk_budget)
+                if plan is None:  # by threshold alone, as the program around it
+                    inner = Planner(self.pass_name, body)
+                    inner.split_all(threshold or nbytes, split_size or threshold or nbytes)
+                    verdict = PlanVerdict(True, estimate_memory(body).peak_bytes, 0)
+                else:
+                    arguments = sum(body.nbytes(TensorRef(p.name)) or 0 for p in body.find("Placeholder"))
+                    body_plan = max(plan // _SURELY_SPLIT_SHARE, int((plan - outside) * _CHUNK_MARGIN) + arguments)
+                    inner, verdict = Planner.within(self.pass_name, body, body_plan, None, split_size)
                 body.assign(inner.graph)
                 body_verdicts[loop] = verdict
                 return [dataclasses.replace(r, details={**r.details, "in_loop": loop})
@@ -308,7 +318,9 @@ class Planner:
                 self.pass_name, SINK_RULE, "fired", (seed.node,), kind="split",
                 reason=f"recomputed in each iteration of loop {loop} from "
                        f"{', '.join(leaf.name for leaf in found.leaves) or 'constants'}, not held whole",
-                details={"tensor": seed.name, "bytes": nbytes, "loop": loop, "nodes": len(found.cone),
+                details={"tensor": seed.name, "bytes": nbytes, "recomputed_in": loop,
+                         "shape": shape,
+                         "nodes": len(found.cone),
                          "body_peak_bytes": body_verdicts[loop].peak_bytes,
                          "body_loops": sum(1 for r in body_records if r.rule == RULE and r.status == "fired")}))
             self.records.extend(body_records)

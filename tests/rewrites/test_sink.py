@@ -74,9 +74,9 @@ def test_conjugate_gradients_recompute_k_in_chunks_and_equal_stock(rng):
     wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
     report = wrapped.explain(x, y)
     [sunk] = _records(report, SINK)
-    assert sunk.details["bytes"] == n * n * 8
+    assert sunk.details["bytes"] == n * n * 8 and sunk.details["shape"] == f"float64[{n}, {n}]"
     assert "x:0" in sunk.reason  # recomputed from the points, not from K
-    assert any(r.details.get("in_loop") == sunk.details["loop"] for r in _records(report, "SplitOversizedRegions"))
+    assert any(r.details.get("in_loop") == sunk.details["recomputed_in"] for r in _records(report, "SplitOversizedRegions"))
     assert report.memory_after.peak_bytes < n * n * 8  # never one whole K: not in tfmem's estimate,
     assert report.xla_bytes_after < n * n * 8  # nor in XLA's plan
     assert report.xla_bytes_before > n * n * 8  # (stock holds K)
@@ -209,3 +209,52 @@ def _run_graph(graph: Graph, concrete, values) -> list[np.ndarray]:
                                               return_elements=[o.name for o in graph.outputs])
 
     return [t.numpy() for t in tf.function(run)(*values)]
+
+
+def test_two_invariants_of_one_loop_and_a_loop_in_a_loop_are_both_recomputed(rng):
+    n = 300
+
+    def two_kernels(x, y):
+        k1, k2 = _kernel(x), _kernel(2.0 * x)
+
+        def body(i, v):
+            return i + 1, (k1 @ v + k2 @ v) / float(n)
+
+        return tf.while_loop(lambda i, _: i < 3, body, (tf.constant(0), y))[1]
+
+    def nested(x, y):
+        k = _kernel(x)
+
+        def outer(i, v):
+            inner = tf.while_loop(lambda j, _: j < 2, lambda j, w: (j + 1, k @ w / float(n) + v), (tf.constant(0), v))
+            return i + 1, inner[1]
+
+        return tf.while_loop(lambda i, _: i < 2, outer, (tf.constant(0), y))[1]
+
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    for fn, sunk in ((two_kernels, 2), (nested, 1)):
+        wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
+        report = wrapped.explain(x, y)
+        assert len(_records(report, SINK)) >= sunk, fn.__name__
+        assert report.xla_bytes_after < n * n * 8, fn.__name__
+        np.testing.assert_allclose(wrapped(x, y), tf.function(fn, jit_compile=True)(x, y), rtol=1e-9)
+
+
+def test_the_summary_says_what_is_recomputed_where(rng):
+    n = 300
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    summary = tfmem.function(conjugate_gradients(3, 2.0), config=tfmem.Config(memory_budget=_budget(n))
+                             ).report(x, y).summary()
+    assert f"float64[{n}, {n}] recomputed inside loop while, not held" in summary, summary
+
+
+def test_a_threshold_alone_recomputes_an_invariant_over_it(rng):
+    n = 300
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    fn = conjugate_gradients(3, 2.0)
+    wrapped = tfmem.function(fn, config=tfmem.Config(tensor_size_threshold=f"{n * n * 8 // 4}B", memory_budget="off"))
+    report = wrapped.explain(x, y)
+    assert len(_records(report, SINK)) == 1
+    assert all(r.details["chunk_bytes"] <= n * n * 8 // 4 for r in _records(report, "SplitOversizedRegions"))
+    assert report.xla_bytes_after < n * n * 8
+    np.testing.assert_allclose(wrapped(x, y), tf.function(fn, jit_compile=True)(x, y), rtol=1e-9)
