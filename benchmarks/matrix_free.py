@@ -18,13 +18,14 @@ loop body (`rewrites.split.sink`).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from benchmarks import documents
 
 LIMIT_MIB = 1024
 D = 8
@@ -199,10 +200,7 @@ def main(argv: list[str]) -> None:
     from tfmem.config import format_size
 
     if flags.FLAGS.render:
-        with open(flags.FLAGS.render) as f:
-            document = json.load(f)
-        with open(os.path.join(os.path.dirname(flags.FLAGS.render), "MATRIX_FREE.md"), "w") as f:
-            f.write(render(document))
+        documents.render_again(flags.FLAGS.render, "MATRIX_FREE.md", render)
         return
     only = flags.FLAGS.only or ["outcome", "accuracy", "speed"]
     sizes = [int(s) for s in flags.FLAGS.sizes] if flags.FLAGS.sizes else list(SIZES)
@@ -241,10 +239,7 @@ def main(argv: list[str]) -> None:
         document["speed"] = result.value if result.ok else {"error": result.error}
         print(document["speed"], flush=True)
     if flags.FLAGS.json:
-        with open(flags.FLAGS.json, "w") as f:
-            json.dump(document, f, indent=2, default=str)
-        with open(os.path.join(os.path.dirname(flags.FLAGS.json), "MATRIX_FREE.md"), "w") as f:
-            f.write(render(document))
+        documents.write(flags.FLAGS.json, document, "MATRIX_FREE.md", render)
 
 
 def render(document: dict[str, Any]) -> str:

@@ -16,7 +16,6 @@ median step times (later calls; the first call compiles).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import documents
 from benchmarks.cases import sgpr_loss_and_gradients
 
 LIMIT_MIB = 512
@@ -111,10 +111,7 @@ def main(argv: list[str]) -> None:
     from tfmem import run_isolated
 
     if flags.FLAGS.render:
-        with open(flags.FLAGS.render) as f:
-            document = json.load(f)
-        with open(os.path.join(os.path.dirname(flags.FLAGS.render), "WHOLE_MATRICES.md"), "w") as f:
-            f.write(render(document))
+        documents.render_again(flags.FLAGS.render, "WHOLE_MATRICES.md", render)
         return
     from tfmem.config import format_size
 
@@ -147,10 +144,7 @@ def main(argv: list[str]) -> None:
     document = {"commit": os.popen("git rev-parse HEAD").read().strip(), "limit_mib": LIMIT_MIB,
                 "rows": rows, "speed": speeds}
     if flags.FLAGS.json:
-        with open(flags.FLAGS.json, "w") as f:
-            json.dump(document, f, indent=2, default=str)
-        with open(os.path.join(os.path.dirname(flags.FLAGS.json), "WHOLE_MATRICES.md"), "w") as f:
-            f.write(render(document))
+        documents.write(flags.FLAGS.json, document, "WHOLE_MATRICES.md", render)
 
 
 def render(document: dict[str, Any]) -> str:
