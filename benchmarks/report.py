@@ -208,10 +208,32 @@ def render_markdown(data: dict[str, Any], plot_paths: dict[str, str]) -> str:
         lines += ["", f"**Missing cases** (the run ended before their searches finished): "
                   f"{', '.join(missing)}."]
     lines.append("")
+    lines += _other_pages()
     lines += _target_discussion(rows)
     for case in dict.fromkeys([*planned_cases, *done]):
         lines += _case_section(data, case, plot_paths.get(case))
     return "\n".join(lines) + "\n"
+
+
+# Pages other benchmarks render beside this one (each from its own JSON), by issue.
+OTHER_PAGES = (
+    ("WHOLE_MATRICES.md", "Cholesky-based programs under a real limit: SGPR M and GPR n, whole [M, M] matrices "
+                          "(`benchmarks.whole_matrices`)"),
+    ("MATRIX_FREE.md", "exact GP solve by conjugate gradients, K recomputed inside the loop "
+                       "(`benchmarks.matrix_free`)"),
+    ("FIRST_CALL.md", "first call under a budget vs stock XLA (`benchmarks.first_call`)"),
+    ("SPLIT_CHECKS.md", "split checks (`benchmarks.split_checks`)"),
+    ("DISTRIBUTED_SGPR.md", "data-parallel SGPR on two devices (`benchmarks.distributed_sgpr`)"),
+    ("corpus/RESULTS.md", "the budget corpus: verdict against outcome on every program (`benchmarks.corpus.run`)"),
+)
+
+
+def _other_pages() -> list[str]:
+    """Links to the other result pages that exist in benchmarks/."""
+    pages = [(page, what) for page, what in OTHER_PAGES if os.path.exists(os.path.join(HERE, page))]
+    if not pages:
+        return []
+    return ["## Other result pages", "", *[f"- [{page}]({page}): {what}" for page, what in pages], ""]
 
 
 def _resume_lines(meta: dict[str, Any]) -> list[str]:
