@@ -60,6 +60,8 @@ _TOLERATED_RISE = 1.02
 _WORTH_SPLITTING = 16
 # A shrink must win back at least this share of the overshoot (each one doubles the trips).
 _SHRINK_GAIN = 0.1
+# How the reasons a loop invariant stays whole begin (`_sink_into_loops`).
+_NOT_RECOMPUTED = "not recomputed inside"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,15 +182,17 @@ class Planner:
                           if ref not in tried and (graph.nbytes(ref) or 0) > limit and invariant_slots(graph, ref)]
             if not candidates:
                 return
-            ref = candidates[0]
-            tried.add(ref)
+            original = candidates[0]
+            tried.add(original)
             before, checkpoint = estimate_memory(graph), self._checkpoint()
             # K + σ²I's diagonal update, as selects: its rows can then be recomputed in chunks.
-            ref = lower_diagonals(graph, limit, graph.ancestors(ref.node)).get(ref, ref)
+            ref = lower_diagonals(graph, limit, graph.ancestors(original.node)).get(original, original)
             if self._sink_into_loops(ref, before, plan, split_size, threshold=limit) is None:
                 rejections = self.records[len(checkpoint[2]):]
-                self._rollback(checkpoint)  # the diagonals too
-                self.records.extend(rejections)
+                self._rollback(checkpoint)  # the diagonals too: the reasons name the tensor as it is again
+                self.records.extend(dataclasses.replace(r, nodes=(original.node,), details={
+                    **r.details, "tensor": original.name}) if r.details.get("tensor") == ref.name else r
+                    for r in rejections)
 
     # --- by budget --------------------------------------------------------------------
 
@@ -289,7 +293,7 @@ class Planner:
         for loop, slot in slots:
             found = loop_invariant(graph, seed, loop, slot, leaf_limit=max(1, nbytes // _WORTH_SPLITTING))
             if isinstance(found, str):
-                self._reject(seed, f"not recomputed in its loop: {found}")
+                self._reject(seed, f"{_NOT_RECOMPUTED} loop {loop}: {found}")
                 continue
             # The body may take what the loop's surroundings leave of the plan, once K is gone.
             outside = max(0, estimate.at(loop)[0] - nbytes)
@@ -312,7 +316,7 @@ class Planner:
                 body_records = sink_invariant(graph, found, plan_body)
             except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
                 self._rollback(checkpoint)
-                self._reject(seed, f"not recomputed in loop {loop}: rebuilding it failed ({first_line(err)})")
+                self._reject(seed, f"{_NOT_RECOMPUTED} loop {loop}: rebuilding it failed ({first_line(err)})")
                 return None
             self.records.append(RewriteRecord(
                 self.pass_name, SINK_RULE, "fired", (seed.node,), kind="split",
@@ -335,8 +339,11 @@ class Planner:
                 and all(v.fits for v in body_verdicts.values())):
             return after
         self._rollback(checkpoint)
-        self._reject(seed, f"recomputing it inside its loops does not lower the program's peak "
-                           f"({format_size(estimate.peak_bytes)} → {format_size(after.peak_bytes)})")
+        loops = ", ".join(loop for loop, _ in slots)
+        self._reject(seed, f"{_NOT_RECOMPUTED} the loops that read it ({loops}): that does not lower the "
+                           f"program's peak ({format_size(estimate.peak_bytes)} → {format_size(after.peak_bytes)}); "
+                           "a loop that needs it whole, or a gradient loop that accumulates a gradient of its size, "
+                           "holds as much")
         return None
 
     def _shrink(self, loop: Loop, estimate: MemoryEstimate, plan: int) -> MemoryEstimate | None:
@@ -385,6 +392,10 @@ class Planner:
             return (f"{over}: at loop {loop.scope} ({loop.chunks} chunks of {loop.chunk}), whose body needs "
                     f"{format_size(estimate.nested_peak_bytes)} even in the smallest chunks it can take")
         why = {r.details.get("tensor"): r.reason for r in self.records if r.status == "rejected" and r.kind == "split"}
+        # Why a loop invariant was not recomputed in its loops says more than why no region
+        # could grow through the loop that reads it.
+        why.update({r.details.get("tensor"): r.reason for r in self.records if r.status == "rejected"
+                    and r.kind == "split" and r.reason.startswith(_NOT_RECOMPUTED)})
         for live in estimate.live_at_peak:
             node = self.graph.node(TensorRef.parse(live.name).node)
             if node.op in GRAPH_INPUT_OPS:

@@ -158,6 +158,9 @@ def test_a_gradient_through_the_loop_is_correct(rng):
         return loss, tape.gradient(loss, x)
 
     wrapped = tfmem.function(loss_and_grad, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.report(x, y)
+    assert not _records(report, SINK)
+    assert "not recomputed inside the loops that read it" in report.summary()  # the warning says why
     want = tf.function(loss_and_grad, jit_compile=True)(x, y)
     for got, expected in zip(wrapped(x, y), want):
         np.testing.assert_allclose(got, expected, rtol=1e-8)
