@@ -42,9 +42,9 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
         inputs = graph.inputs(node.name)
         matrix = inputs[0]
         shape = graph.spec(matrix).shape
-        k = graph.constant_value(inputs[2] if node.op in _SET_DIAG_OPS else inputs[1])
-        if (not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2] or k is None
-                or np.any(np.asarray(k) != 0) or (graph.nbytes(matrix) or 0) <= limit):
+        k = inputs[2] if node.op in _SET_DIAG_OPS else inputs[1]
+        if (not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2]
+                or not _is_main_diagonal(graph, k) or (graph.nbytes(matrix) or 0) <= limit):
             continue
         n = int(shape[-1])
 
@@ -75,11 +75,16 @@ def _added_to_diagonal(graph: Graph, matrix: TensorRef, diagonal: TensorRef) -> 
         return None
     for position, ref in enumerate(graph.inputs(node.name)):
         reader = graph.node(ref.node)
-        if reader.op in _DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix:
-            k = graph.constant_value(graph.inputs(ref.node)[1])
-            if k is not None and not np.any(np.asarray(k) != 0):
-                return graph.inputs(node.name)[1 - position]
+        if reader.op in _DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix \
+                and _is_main_diagonal(graph, graph.inputs(ref.node)[1]):
+            return graph.inputs(node.name)[1 - position]
     return None
+
+
+def _is_main_diagonal(graph: Graph, k: TensorRef) -> bool:
+    """Whether a diagonal op's offset `k` is the constant 0 (the main diagonal)."""
+    value = graph.constant_value(k)
+    return value is not None and not np.any(np.asarray(value) != 0)
 
 
 def _as_row(d: tf.Tensor) -> tf.Tensor:

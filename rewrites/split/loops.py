@@ -41,11 +41,13 @@ def _fragment(graph: Graph, region: SliceRegion, feeds: Sequence[Feed], chunk: i
         patches = chunk_patches(graph, name, region.axes.get(TensorRef(name)), chunk, in_axes)
         constants.update(((name, position), value) for position, value in patches.items())
     # Shape arguments must stay constants, or shape inference loses dimensions.
-    inline = [feed for feed in feeds if feed.axis is None and _is_small_constant(graph, feed.ref)]
+    inline = [feed for feed in feeds if feed.axis is None and is_small_constant(graph, feed.ref)]
     return fragment(graph, region.nodes, feed=region.feed_of, constants=constants, inline=inline)
 
 
-def _is_small_constant(graph: Graph, ref: TensorRef) -> bool:
+def is_small_constant(graph: Graph, ref: TensorRef) -> bool:
+    """A `Const` small enough to copy into a loop body rather than feed it (shape
+    arguments stay constants there, and shape inference keeps every dimension)."""
     return graph.node(ref.node).op == "Const" and (graph.nbytes(ref) or 0) <= _SMALL_CONSTANT_BYTES
 
 

@@ -285,8 +285,8 @@ class Planner:
         slots = [(loop, slot) for loop, slot in invariant_slots(graph, seed) if self._loop_running(loop) is None]
         if not slots:
             return None
-        nbytes = graph.nbytes(seed) or 0
-        shape = f"{graph.spec(seed).dtype.name}{graph.spec(seed).shape.as_list()}"  # the seed goes when sunk
+        nbytes, spec = graph.nbytes(seed) or 0, graph.spec(seed)
+        shape = f"{spec.dtype.name}{spec.shape.as_list()}"  # read now: the seed goes when sunk
         checkpoint = self._checkpoint()
         fired = False
         body_verdicts: dict[str, PlanVerdict] = {}
@@ -484,7 +484,7 @@ class Planner:
 
     def _while_node(self, loop: Loop) -> str | None:
         prefix = f"{loop.scope}/"
-        return next((n.name for n in self.graph.find(("While", "StatelessWhile")) if n.name.startswith(prefix)),
+        return next((n.name for n in self.graph.find(WHILE_OPS) if n.name.startswith(prefix)),
                     None)
 
     def _loop_running(self, node: str | None) -> Loop | None:

@@ -38,6 +38,7 @@ from tfmem.memory import function_graph, while_passthrough
 from tfmem.passes import RewriteRecord
 
 from rewrites.split.fragment import fragment
+from rewrites.split.loops import is_small_constant
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 # Ops a cone may not contain: they call functions (whose bodies are not cloned here) or
@@ -46,7 +47,6 @@ _OPAQUE_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case",
                          "PartitionedCall", "StatefulPartitionedCall", "Placeholder",
                          "ReadVariableOp", "VarHandleOp"})
 _MAX_CONE_NODES = 128
-_SMALL_CONSTANT_BYTES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,8 @@ def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
     inputs at most that size are its leaves (small constants are cloned instead).
     """
     node = graph.node(loop)
-    for name in (node.attr["cond"].func.name, node.attr["body"].func.name):
+    cond_name, body_name = node.attr["cond"].func.name, node.attr["body"].func.name
+    for name in (cond_name, body_name):
         function = graph.function(name)
         if function is None:
             return f"loop {loop}: its function {name!r} is not in the graph's library"
@@ -94,7 +95,6 @@ def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
     for ref in graph.inputs(loop):
         if graph.spec(ref).dtype == tf.resource:
             return f"loop {loop}: it carries a resource ({ref.name})"
-    cond_name = node.attr["cond"].func.name
     cond = function_graph(graph, cond_name, [graph.spec(ref).shape for ref in graph.inputs(loop)])
     cond_arg = TensorRef(graph.function(cond_name).signature.input_arg[slot].name)
     if cond.consumers(cond_arg) or cond.is_output(cond_arg):
@@ -117,12 +117,11 @@ def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
         if len(cone) > _MAX_CONE_NODES:
             return f"{tensor.name} takes more than {_MAX_CONE_NODES} ops to recompute"
         for ref in graph.inputs(name):
-            source = graph.node(ref.node)
             nbytes = graph.nbytes(ref)
             if nbytes is None:
                 return f"{tensor.name} is made from {ref.name}, whose shape is not static"
-            if source.op == "Const" and nbytes <= _SMALL_CONSTANT_BYTES:
-                stack.append(ref.node)  # cloned into the body: shape arguments stay constant
+            if is_small_constant(graph, ref):
+                stack.append(ref.node)  # cloned into the body, as a split loop's body copies it
             elif nbytes <= leaf_limit:
                 if ref not in leaves:
                     leaves.append(ref)
