@@ -1,6 +1,7 @@
 """Issue 20: an exact GP solve by conjugate gradients with K [n, n] formed outside the loop.
 
     python -m benchmarks.matrix_free [--sizes=12000,50000,100000] [--json=benchmarks/matrix_free.json]
+    python -m benchmarks.matrix_free --only=gradients --json=benchmarks/matrix_free.json   # one part again
     python -m benchmarks.matrix_free --render=benchmarks/matrix_free.json   # MATRIX_FREE.md again
 
 The program is what a user writes (`cg_solve`): the SE kernel matrix of n points in d=8
@@ -15,9 +16,13 @@ loop body (`rewrites.split.sink`).
     accuracy  at n=`ACCURACY_N`: tfmem's solution against a chunked NumPy CG (relative max error)
     speed     at n=`SPEED_N`: seconds per CG step of tfmem against the hand-chunked TensorFlow
               loop a user would otherwise write (`chunked_reference`, XLA), warm calls, one process
+    gradients `cg_loss_and_grads` (the solve differentiated with respect to x) at
+              `GRADIENT_SIZES` under the same limit, stock XLA and tfmem, tfmem's gradient
+              against stock's where both ran
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -33,6 +38,7 @@ CG_STEPS = 25
 LENGTHSCALE = 1.0
 NOISE = 0.5
 SIZES = (8000, 11000, 12000, 20000, 50000, 100000)
+GRADIENT_SIZES = (4000, 6000, 7000, 20000, 50000)
 ACCURACY_N = 12000
 SPEED_N = 20000
 REFERENCE_CHUNK = 1000
@@ -52,8 +58,9 @@ def _se_kernel(x: Any, z: Any) -> Any:
     return tf.exp(-0.5 * tf.maximum(sq, 0.0))
 
 
-def _cg(matvec: Callable[[Any], Any], y: Any) -> Any:
-    """`CG_STEPS` steps of conjugate gradients on (K + σ²I) α = y, in a `tf.while_loop`."""
+def _cg(matvec: Callable[[Any], Any], y: Any, bounded: bool = False) -> Any:
+    """`CG_STEPS` steps of conjugate gradients on (K + σ²I) α = y, in a `tf.while_loop`
+    (`bounded`: with `maximum_iterations`, which XLA needs to differentiate the loop)."""
     import tensorflow as tf
 
     def body(i, sol, r, p, rr):
@@ -64,7 +71,8 @@ def _cg(matvec: Callable[[Any], Any], y: Any) -> Any:
         return i + 1, sol, r, r + (rr_new / rr) * p, rr_new
 
     _, sol, *_ = tf.while_loop(lambda i, *_: i < CG_STEPS, body,
-                               (tf.constant(0), tf.zeros_like(y), y, y, tf.reduce_sum(y * y)))
+                               (tf.constant(0), tf.zeros_like(y), y, y, tf.reduce_sum(y * y)),
+                               maximum_iterations=CG_STEPS if bounded else None)
     return sol
 
 
@@ -72,6 +80,20 @@ def cg_solve(x: Any, y: Any) -> Any:
     """The user's program: K formed once, outside the loop that reads it."""
     k = _se_kernel(x, x)  # [n, n]
     return _cg(lambda p: k @ p, y)
+
+
+def cg_loss_and_grads(x: Any, y: Any) -> Any:
+    """The solve differentiated: ‖α‖² and its gradient with respect to the points x,
+    through the loop (TensorFlow's while-loop gradient: a second loop reading K, which
+    sums dK = Σ g pᵀ over the steps)."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        k = _se_kernel(x, x)
+        sol = _cg(lambda p: k @ p, y, bounded=True)
+        loss = tf.reduce_sum(sol * sol)
+    return loss, tape.gradient(loss, x)
 
 
 def chunked_reference(x: Any, y: Any) -> Any:
@@ -127,20 +149,22 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def trial(n: int, method: str, save: str | None = None) -> dict[str, Any]:
-    """One call at size n: stock XLA, tfmem (budget only) or the hand-chunked reference."""
+def trial(n: int, method: str, save: str | None = None, gradients: bool = False) -> dict[str, Any]:
+    """One call at size n: stock XLA, tfmem (budget only) or the hand-chunked reference;
+    of the solve, or (`gradients`) of `cg_loss_and_grads` (then `save` keeps the gradient)."""
     import tensorflow as tf
 
     import tfmem
 
     x, y = (tf.constant(a) for a in data(n))
     out: dict[str, Any] = {}
+    program = cg_loss_and_grads if gradients else cg_solve
     if method == "xla":
-        runner = tf.function(cg_solve, jit_compile=True)
+        runner = tf.function(program, jit_compile=True)
     elif method == "reference":
         runner = tf.function(chunked_reference, jit_compile=True)
     else:  # the verdict first, so that it is kept when the call then runs out of memory
-        runner = tfmem.function(cg_solve, config=tfmem.Config(memory_budget=f"{LIMIT_MIB}MiB"))
+        runner = tfmem.function(program, config=tfmem.Config(memory_budget=f"{LIMIT_MIB}MiB"))
         report = runner.report(x, y)
         out.update(fits=report.fits, summary=report.summary(), xla_plan=report.xla_bytes_after,
                    static_peak=report.memory_after.peak_bytes if report.memory_after else None,
@@ -148,7 +172,8 @@ def trial(n: int, method: str, save: str | None = None) -> dict[str, Any]:
                          if r.rule == "RecomputeLoopInvariant" and r.status == "fired"])
     start = time.perf_counter()
     try:
-        sol = runner(x, y).numpy()
+        result = runner(x, y)
+        sol = (result[1] if gradients else result).numpy()
     except tf.errors.ResourceExhaustedError as err:
         return {**out, "oom_error": str(err).splitlines()[0][:200]}
     out["first_call_s"] = time.perf_counter() - start
@@ -202,14 +227,20 @@ def main(argv: list[str]) -> None:
     if flags.FLAGS.render:
         documents.render_again(flags.FLAGS.render, "MATRIX_FREE.md", render)
         return
-    only = flags.FLAGS.only or ["outcome", "accuracy", "speed"]
-    sizes = [int(s) for s in flags.FLAGS.sizes] if flags.FLAGS.sizes else list(SIZES)
+    only = flags.FLAGS.only or ["outcome", "accuracy", "speed", "gradients"]
+    sizes = [int(s) for s in flags.FLAGS.sizes] if flags.FLAGS.sizes else None
     rows: list[dict[str, Any]] = []
-    document: dict[str, Any] = {"commit": os.popen("git rev-parse HEAD").read().strip(), "limit_mib": LIMIT_MIB,
-                                "d": D, "steps": CG_STEPS, "rows": rows}
+    commit = os.popen("git rev-parse HEAD").read().strip()
+    document: dict[str, Any] = {"commit": commit, "limit_mib": LIMIT_MIB, "d": D, "steps": CG_STEPS, "rows": rows}
+    if flags.FLAGS.json and os.path.exists(flags.FLAGS.json) and "outcome" not in only:
+        with open(flags.FLAGS.json) as f:  # a part run again: the other parts stay as measured
+            document = json.load(f)
     scratch = flags.FLAGS.scratch
     os.makedirs(scratch, exist_ok=True)
+    if "gradients" in only:
+        document["gradients"] = {"commit": commit, "rows": _gradient_rows(sizes or list(GRADIENT_SIZES), scratch)}
     if "outcome" in only:
+        sizes = sizes or list(SIZES)
         for method in ("xla", "tfmem"):
             for n in sizes:
                 save = os.path.join(scratch, f"{method}_{n}.npy")
@@ -240,6 +271,36 @@ def main(argv: list[str]) -> None:
         print(document["speed"], flush=True)
     if flags.FLAGS.json:
         documents.write(flags.FLAGS.json, document, "MATRIX_FREE.md", render)
+
+
+def _gradient_rows(sizes: list[int], scratch: str) -> list[dict[str, Any]]:
+    """`cg_loss_and_grads` at each size under the real limit, stock XLA then tfmem; tfmem's
+    gradient against stock XLA's where both ran."""
+    from absl import flags
+
+    from tfmem import run_isolated
+    from tfmem.config import format_size
+
+    rows: list[dict[str, Any]] = []
+    for method in ("xla", "tfmem"):
+        for n in sizes:
+            save = os.path.join(scratch, f"grad_{method}_{n}.npy")
+            result = run_isolated("benchmarks.matrix_free:trial", n, method, save, True,
+                                  memory_limit_mb=LIMIT_MIB, timeout=flags.FLAGS.timeout)
+            value = result.value if result.ok else {}
+            outcome = "oom" if value.get("oom_error") else result.status
+            row = {"n": n, "method": method, "outcome": outcome, "real_peak": result.peak_bytes, **value,
+                   "error": (result.error or "")[:200]}
+            stock = os.path.join(scratch, f"grad_xla_{n}.npy")
+            if outcome == "ok" and method == "tfmem" and any(
+                    r["n"] == n and r["method"] == "xla" and r["outcome"] == "ok" for r in rows):
+                row["vs_stock"] = _relative(np.load(save), np.load(stock))
+            rows.append(row)
+            print(f"gradients {method:5s} {n:6d} {outcome:7s} real peak {format_size(row['real_peak'])} "
+                  f"{row.get('summary', row['error'])} vs stock {row.get('vs_stock')}", flush=True)
+            if outcome != "ok":
+                break  # larger sizes run out too
+    return rows
 
 
 def render(document: dict[str, Any]) -> str:
@@ -283,14 +344,36 @@ def render(document: dict[str, Any]) -> str:
                      f"{sp['seconds_per_step']['reference']:.3f} s: **{sp['ratio']:.2f}×** (solutions differ by "
                      f"{sp['tfmem_vs_reference']:.1e})." if "n" in sp else f"failed: {sp.get('error')}")
         lines.append("")
+    if "gradients" in document:
+        grads = document["gradients"]
+        lines += ["## Gradients through the loop",
+                  "",
+                  (f"`cg_loss_and_grads` (‖α‖² and its gradient with respect to x, through the loop: TensorFlow's "
+                   f"gradient loop reads K too and sums dK = Σ g pᵀ), measured at {grads['commit'][:7]}, the same "
+                   "limit and sizes in their own processes; tfmem collects the sum's outer products and recomputes "
+                   "K in both loops."),
+                  "",
+                  "| n | method | outcome | real peak | XLA plans | tfmem's verdict | s (first call) | vs stock XLA |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in grads["rows"]:
+            ok = row["outcome"] == "ok"
+            verdict = {True: "fits", False: "does NOT fit"}.get(row.get("fits"), "-")
+            versus = f"{row['vs_stock']:.1e}" if row.get("vs_stock") is not None else "-"
+            seconds = f"{row['first_call_s']:.1f}" if ok and row.get("first_call_s") else "-"
+            lines.append(f"| {row['n']} | {'stock XLA' if row['method'] == 'xla' else 'tfmem'} | {row['outcome']} | "
+                         f"{format_size(row['real_peak']) if ok else '-'} | "
+                         f"{format_size(row['xla_plan']) if row.get('xla_plan') else '-'} | {verdict} | {seconds} | "
+                         f"{versus} |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def define_flags() -> None:
     from absl import flags
 
-    flags.DEFINE_list("only", [], "outcome, accuracy and/or speed (default: all).")
-    flags.DEFINE_list("sizes", [], f"Sizes n for the outcome table (default: {SIZES}).")
+    flags.DEFINE_list("only", [], "outcome, accuracy, speed and/or gradients (default: all; a part run alone "
+                      "keeps the others from --json).")
+    flags.DEFINE_list("sizes", [], f"Sizes n (default: {SIZES} for the outcome, {GRADIENT_SIZES} for gradients).")
     flags.DEFINE_string("json", None, "Write the results here (and MATRIX_FREE.md beside them).")
     flags.DEFINE_string("render", None, "Only write MATRIX_FREE.md from this JSON.")
     flags.DEFINE_string("scratch", "/tmp/tfmem_matrix_free", "Where solutions are saved to compare them.")

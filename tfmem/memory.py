@@ -301,7 +301,8 @@ class _Estimator:
         if key not in self._function_cache:
             self._function_cache[key] = (0, ())  # guards against recursion
             try:
-                body = function_graph(self.graph, function_name, [self.graph.spec(a).shape for a in args])
+                body = function_graph(self.graph, function_name, [self.graph.spec(a).shape for a in args],
+                                      list_element_shapes(self.graph, args))
                 inner = _Estimator(body)
                 estimate = inner.run()
                 arg_bytes = sum(inner._bytes(TensorRef(n.name)) for n in body.find("Placeholder"))
@@ -314,18 +315,124 @@ class _Estimator:
         return nbytes
 
 
+def loop_function_graph(graph: Graph, loop: str, attr: str) -> Graph:
+    """The `body` or `cond` (`attr`) of a `While` node as a Graph, its arguments shaped
+    by the loop's inputs (TensorLists by their element shapes, `list_element_shapes`)."""
+    inputs = graph.inputs(loop)
+    return function_graph(graph, graph.node(loop).attr[attr].func.name, [graph.spec(ref).shape for ref in inputs],
+                          list_element_shapes(graph, inputs))
+
+
+# TensorList reads and where their `element_shape` input is: a read that passes -1
+# (unknown) gets its list's shape from `list_element_shapes`.
+_LIST_READS = {"TensorListPopBack": 1, "TensorListGetItem": 2, "TensorListStack": 1, "TensorListGather": 2}
+# The output shapes of a list read, from its list's element shape.
+_LIST_READ_SHAPES = {"TensorListPopBack": lambda shape: [tf.TensorShape([]), shape],
+                     "TensorListGetItem": lambda shape: [shape]}
+# Ops that hand on the list they read (input 0 → output 0) with its element shape.
+_LIST_UPDATES = frozenset({"TensorListPushBack", "TensorListPopBack", "TensorListSetItem", "Identity"})
+
+
+def list_element_shapes(graph: Graph, args: list[TensorRef]) -> dict[int, tf.TensorShape]:
+    """The element shapes of the TensorLists among `args` (a function's arguments), where
+    the list's creator (`EmptyTensorList`, `TensorListReserve`) fixed them, by position.
+
+    A loop's gradient pops the forward loop's per-trip values from lists with an unknown
+    `element_shape`; the lists themselves were made with the values' static shapes.
+
+    Example:
+        >>> list_element_shapes(graph, graph.inputs("gradients/while_grad"))[8]
+        TensorShape([200, 1])
+    """
+    shapes = {}
+    for position, ref in enumerate(args):
+        if graph.spec(ref).dtype == tf.variant:
+            shape = _list_element_shape(graph, ref, depth=0)
+            if shape is not None:
+                shapes[position] = shape
+    return shapes
+
+
+def _list_element_shape(graph: Graph, ref: TensorRef, depth: int) -> tf.TensorShape | None:
+    node = graph.node(ref.node)
+    if depth > 8:
+        return None
+    if node.op == "Identity":
+        return _list_element_shape(graph, graph.inputs(ref.node)[0], depth + 1)
+    if node.op in ("EmptyTensorList", "TensorListReserve"):
+        value = graph.constant_value(graph.inputs(ref.node)[0])
+        if value is None or value.ndim != 1 or (value < 0).any():
+            return None
+        return tf.TensorShape([int(v) for v in value])
+    if node.op in ("While", "StatelessWhile") and _body_updates_list(graph, ref.node, ref.index):
+        return _list_element_shape(graph, graph.inputs(ref.node)[ref.index], depth + 1)
+    return None
+
+
+def _body_updates_list(graph: Graph, loop: str, slot: int) -> bool:
+    """Whether `loop`'s body returns at `slot` the list it took there, pushed or popped."""
+    body = graph.function(graph.node(loop).attr["body"].func.name)
+    if body is None or slot >= len(body.signature.output_arg):
+        return False
+    producers = {n.name: n for n in body.node_def}
+    source = body.ret[body.signature.output_arg[slot].name]
+    for _ in range(64):
+        if source == body.signature.input_arg[slot].name:
+            return True
+        producer = producers.get(function_tensor_node(source))
+        if producer is None or producer.op not in _LIST_UPDATES:
+            return False
+        source = producer.input[0]
+    return False
+
+
+def _with_list_shapes(fdef: Any, element_shapes: Mapping[int, tf.TensorShape]) -> Any:
+    """A copy of `fdef` whose list reads of those arguments pass their element shapes."""
+    from tensorflow.core.framework import function_pb2
+
+    patched = function_pb2.FunctionDef()
+    patched.CopyFrom(fdef)
+    by_arg = {fdef.signature.input_arg[i].name: shape for i, shape in element_shapes.items()}
+    taken = {node.name for node in fdef.node_def}
+    for node in list(patched.node_def):
+        position = _LIST_READS.get(node.op)
+        if position is None or len(node.input) <= position or node.input[0] not in by_arg:
+            continue
+        name, counter = f"{node.name}/tfmem_element_shape", 0
+        while name in taken:  # a body patched before, and rebuilt from its graph
+            counter += 1
+            name = f"{node.name}/tfmem_element_shape_{counter}"
+        taken.add(name)
+        const = patched.node_def.add(name=name, op="Const")
+        const.attr["dtype"].type = tf.int32.as_datatype_enum
+        const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(by_arg[node.input[0]].as_list(), tf.int32))
+        node.input[position] = f"{const.name}:output:0"
+        # The importer keeps the shapes a node declares (TensorFlow's gradient declares the
+        # popped value's shape; a body rebuilt by tfmem does not): declare them here too.
+        declared = _LIST_READ_SHAPES.get(node.op)
+        if declared is not None:
+            node.attr["_output_shapes"].list.ClearField("shape")
+            node.attr["_output_shapes"].list.shape.extend(
+                s.as_proto() for s in declared(by_arg[node.input[0]]))
+    return patched
+
+
 def function_graph(graph: Graph, function_name: str,
-                   input_shapes: list[tf.TensorShape] | None = None) -> Graph:
+                   input_shapes: list[tf.TensorShape] | None = None,
+                   list_shapes: Mapping[int, tf.TensorShape] | None = None) -> Graph:
     """A library function of `graph` as a Graph of its own, with static shapes.
 
     Arguments become placeholders (shaped by `input_shapes` where given); the function's
-    return values are the outputs.
+    return values are the outputs. `list_shapes` gives the element shapes of TensorList
+    arguments (`list_element_shapes`), so that what the body reads from them is shaped.
     """
     from tensorflow.python.framework import function_def_to_graph
 
     fdef = graph.function(function_name)
     if fdef is None:
         raise KeyError(f"no library function {function_name!r}")
+    if list_shapes:
+        fdef = _with_list_shapes(fdef, list_shapes)
     shapes = None
     if input_shapes is not None and len(input_shapes) == len(fdef.signature.input_arg):
         shapes = list(input_shapes)

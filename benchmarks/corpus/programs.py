@@ -534,7 +534,7 @@ def _power_iteration(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return top_eigenpair, _points(62, [(n, 3)])
 
 
-def _conjugate_gradients(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _conjugate_gradients(n: int, bounded: bool = False) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     def solve(x, y):
         a = _rbf(x) + 0.5 * tf.eye(n, dtype=tf.float64)  # [n, n], read by every iteration
 
@@ -545,11 +545,25 @@ def _conjugate_gradients(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
             rr_new = tf.reduce_sum(r * r)
             return i + 1, sol, r, r + (rr_new / rr) * p, rr_new
 
+        # maximum_iterations: XLA differentiates a while loop only with a bound on its trips.
         _, sol, *_ = tf.while_loop(lambda i, *_: i < 15, body,
-                                   (tf.constant(0), tf.zeros_like(y), y, y, tf.reduce_sum(y * y)))
+                                   (tf.constant(0), tf.zeros_like(y), y, y, tf.reduce_sum(y * y)),
+                                   maximum_iterations=15 if bounded else None)
         return sol
 
     return solve, _points(63, [(n, 3), (n, 1)])
+
+
+def _conjugate_gradients_grad(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    solve, args = _conjugate_gradients(n, bounded=True)
+
+    def loss_and_grad(x, y):
+        with tf.GradientTape() as tape:  # through the loop: the gradient loop reads K too
+            tape.watch(x)
+            loss = tf.reduce_sum(solve(x, y) ** 2)
+        return loss, tape.gradient(loss, x)
+
+    return loss_and_grad, args
 
 
 def _lanczos(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -713,6 +727,9 @@ PROGRAMS: dict[str, Program] = {p.name: p for p in [
             _power_iteration, small=1000, big=6000, budget="128MiB", rtol=1e-9),
     Program("conjugate_gradients", "misc", "15 CG steps on (K + ½I) α = y, tf.while_loop, K [n, n] f64",
             _conjugate_gradients, small=1000, big=6000, budget="128MiB", rtol=1e-8),
+    Program("conjugate_gradients_grad", "misc", "‖α‖² of 15 CG steps and its gradient with respect to x, "
+            "through the loop (a gradient loop reads K and sums dK)", _conjugate_gradients_grad, small=1000,
+            big=6000, budget="128MiB", rtol=1e-8),
     Program("lanczos", "misc", "12 Lanczos steps (tridiagonalisation) on K [n, n] f64, TensorArrays in the loop",
             _lanczos, small=1000, big=6000, budget="128MiB", rtol=1e-8),
     Program("batched_conjugate_gradients", "misc", "15 CG steps, 8 right-hand sides, K @ P + 5P in the body",

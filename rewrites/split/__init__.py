@@ -11,7 +11,9 @@ chunks that fit). For each seed tensor it grows a region along each of its axes
 loop (`loops`). Tensors it cannot split are left as they are, with the reason. A big
 tensor a user's `tf.while_loop` reads unchanged in every trip (a kernel matrix in
 conjugate gradients) is first recomputed inside that loop's body, which is then planned
-like a program of its own (`sink`).
+like a program of its own (`sink`); when that loop is differentiated, TensorFlow's gradient
+loop sums K's gradient whole, and that sum is collected as outer products and formed after
+the loop, where it splits (`accumulators`).
 
 Conditions: static shapes; ops on the path must have a split rule (`op_rules`); a region's
 results must be sinks (reductions, contractions, top-k, arg-max/min) or tensors small

@@ -31,13 +31,15 @@ from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.memory import MemoryEstimate, estimate_memory
 from tfmem.passes import RewriteRecord
 
+from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
 from rewrites.split.diagonals import lower_diagonals
 from rewrites.split.loops import emit_loop
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
-from rewrites.split.sink import WHILE_OPS, invariant_slots, loop_invariant, sink_invariant
+from rewrites.split.sink import WHILE_OPS, invariant_slots, loop_invariant, read_through_loops, sink_invariant
 
 RULE = "SplitOversizedRegions"
 SINK_RULE = "RecomputeLoopInvariant"
+COLLECT_RULE = "CollectOuterProducts"
 _MAX_LOOPS = 64
 _MAX_BUDGET_STEPS = 48
 # The shares of the target the budget's first splits are sized by (its chunks are then
@@ -282,12 +284,16 @@ class Planner:
         what the loop's surroundings leave of `plan`, or with no plan split by `threshold`."""
         graph = self.graph
         # The user's loops only: this planner's own loops read their whole inputs by design.
-        slots = [(loop, slot) for loop, slot in invariant_slots(graph, seed) if self._loop_running(loop) is None]
-        if not slots:
+        if not any(self._loop_running(loop) is None for loop, _ in invariant_slots(graph, seed)):
             return None
         nbytes, spec = graph.nbytes(seed) or 0, graph.spec(seed)
         shape = f"{spec.dtype.name}{spec.shape.as_list()}"  # read now: the seed goes when sunk
         checkpoint = self._checkpoint()
+        read_through_loops(graph, seed)  # a gradient loop reads it from the forward loop's output
+        # A gradient loop that reads it also sums its gradient whole: collect that sum's
+        # outer products instead (its loop is rebuilt, so the slots are found after).
+        self._collect_outer_products(seed, max(1, nbytes // _WORTH_SPLITTING))
+        slots = [(loop, slot) for loop, slot in invariant_slots(graph, seed) if self._loop_running(loop) is None]
         fired = False
         body_verdicts: dict[str, PlanVerdict] = {}
         for loop, slot in slots:
@@ -330,6 +336,9 @@ class Planner:
             self.records.extend(body_records)
             fired = True
         if not fired:
+            reasons = [r for r in self.records[len(checkpoint[2]):] if r.status == "rejected"]
+            self._rollback(checkpoint)  # the collected gradient sums too: they only serve a sunk loop
+            self.records.extend(reasons)
             return None
         after = estimate_memory(graph)
         # Kept when the peak falls; or, while readers outside the loops still hold the
@@ -345,6 +354,38 @@ class Planner:
                            "a loop that needs it whole, or a gradient loop that accumulates a gradient of its size, "
                            "holds as much")
         return None
+
+    def _collect_outer_products(self, seed: TensorRef, limit: int) -> None:
+        """Rebuilds each user loop reading `seed` whose big accumulators sum outer
+        products (a while loop's gradient: `dK += g pᵀ`) to collect the products and sum
+        them after the loop (`rewrites.split.accumulators`), where the sum can be split."""
+        graph = self.graph
+        for loop in dict.fromkeys(loop for loop, _ in invariant_slots(graph, seed)):
+            if self._loop_running(loop) is not None:
+                continue
+            found = outer_product_accumulators(graph, loop, limit)
+            if isinstance(found, str):
+                self.records.append(RewriteRecord(self.pass_name, COLLECT_RULE, "rejected", (loop,), found,
+                                                  kind="split"))
+                continue
+            if not found:
+                continue
+            shapes = [graph.spec(graph.inputs(loop)[acc.slot]) for acc in found]
+            checkpoint = self._checkpoint()
+            try:
+                sums = collect_outer_products(graph, found)
+            except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
+                self._rollback(checkpoint)
+                self.records.append(RewriteRecord(self.pass_name, COLLECT_RULE, "rejected", (loop,),
+                                                  f"rebuilding loop {loop} failed ({first_line(err)})", kind="split"))
+                continue
+            for acc, spec, total in zip(found, shapes, sums):
+                self.records.append(RewriteRecord(
+                    self.pass_name, COLLECT_RULE, "fired", (loop,), kind="split",
+                    reason=f"{spec.dtype.name}{spec.shape.as_list()} summed after loop {loop} from the outer "
+                           f"products of its {acc.trips} trips ({acc.width} columns each), not carried whole",
+                    details={"tensor": total.name, "loop": loop, "slot": acc.slot, "trips": acc.trips,
+                             "width": acc.width, "bytes": graph.nbytes(total) or 0}))
 
     def _shrink(self, loop: Loop, estimate: MemoryEstimate, plan: int) -> MemoryEstimate | None:
         """Re-chunks the loop at the peak so its body fits; None when that does not help."""

@@ -31,14 +31,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2, node_def_pb2
+from tensorflow.core.framework import node_def_pb2
 
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import function_graph, while_passthrough
+from tfmem.memory import loop_function_graph, while_passthrough
 from tfmem.passes import RewriteRecord
 
-from rewrites.split.fragment import fragment
 from rewrites.split.loops import is_small_constant
+from rewrites.split.rebuild import Extras, rebuild_while
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 # Ops a cone may not contain: they call functions (whose bodies are not cloned here) or
@@ -77,6 +77,19 @@ def invariant_slots(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]]:
     return found
 
 
+def read_through_loops(graph: Graph, tensor: TensorRef) -> None:
+    """Rewires readers of a loop's unchanged output of `tensor` to `tensor` itself: the
+    same value (TensorFlow's gradient of a loop reads a captured K from the forward
+    loop's output), so every loop that reads K is found by `invariant_slots`."""
+    handed = [(loop, slot) for loop, slot in invariant_slots(graph, tensor)]
+    while handed:
+        loop, slot = handed.pop()
+        output = TensorRef(loop, slot)
+        if graph.consumers(output):
+            graph.replace_all_uses(output, tensor)
+            handed = [(loop, slot) for loop, slot in invariant_slots(graph, tensor)]
+
+
 def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
                    leaf_limit: int) -> LoopInvariant | str:
     """`tensor`, read by `loop` at `slot`, as a LoopInvariant; or why it cannot be sunk.
@@ -95,7 +108,7 @@ def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
     for ref in graph.inputs(loop):
         if graph.spec(ref).dtype == tf.resource:
             return f"loop {loop}: it carries a resource ({ref.name})"
-    cond = function_graph(graph, cond_name, [graph.spec(ref).shape for ref in graph.inputs(loop)])
+    cond = loop_function_graph(graph, loop, "cond")
     cond_arg = TensorRef(graph.function(cond_name).signature.input_arg[slot].name)
     if cond.consumers(cond_arg) or cond.is_output(cond_arg):
         return f"loop {loop}: its condition reads {tensor.name}"
@@ -141,12 +154,10 @@ def sink_invariant(graph: Graph, invariant: LoopInvariant,
     """
     node = graph.node(invariant.loop)
     loop_inputs = graph.inputs(invariant.loop)
-    shapes = [graph.spec(ref).shape for ref in loop_inputs]
-    body_name, cond_name = node.attr["body"].func.name, node.attr["cond"].func.name
-    body = function_graph(graph, body_name, shapes)
-    cond = function_graph(graph, cond_name, shapes)
+    body_name = node.attr["body"].func.name
+    body = loop_function_graph(graph, invariant.loop, "body")
+    cond = loop_function_graph(graph, invariant.loop, "cond")
     body_args = [arg.name for arg in graph.function(body_name).signature.input_arg]
-    cond_args = [arg.name for arg in graph.function(cond_name).signature.input_arg]
     kept = [slot for slot in range(len(loop_inputs)) if slot != invariant.slot]
 
     # The body: the cone cloned in, reading new arguments for its leaves, in place of K's.
@@ -176,34 +187,9 @@ def sink_invariant(graph: Graph, invariant: LoopInvariant,
     body.prune()
     records = list(plan_body(body))
 
-    parallel = node.attr["parallel_iterations"].i or 10
-    declared = list(node.attr["output_shapes"].list.shape)
-    invariants = None
-    if len(declared) == len(loop_inputs):
-        invariants = [tf.TensorShape(declared[slot]) for slot in kept]
-        invariants += [graph.spec(leaf).shape for leaf in invariant.leaves]
-
-    def build(*tensors: tf.Tensor) -> list[tf.Tensor]:
-        carried = len(kept)
-        # The functions the body calls (its split loops' bodies) must be in the graph the
-        # loop is built in: the body's nodes are imported without a library.
-        tf.graph_util.import_graph_def(graph_pb2.GraphDef(library=body.library), name="")
-
-        def cond_fn(*values: tf.Tensor) -> tf.Tensor:
-            fed = {TensorRef(cond_args[slot]): values[j] for j, slot in enumerate(kept)}
-            return _run(cond, fed, cond.outputs, "cond")[0]
-
-        def body_fn(*values: tf.Tensor) -> list[tf.Tensor]:
-            fed = {TensorRef(body_args[slot]): values[j] for j, slot in enumerate(kept)}
-            fed.update({TensorRef(arg): values[carried + i] for i, arg in enumerate(leaf_args)})
-            return _run(body, fed, body.outputs, "body") + list(values[carried:])
-
-        results = tf.while_loop(cond_fn, body_fn, list(tensors), shape_invariants=invariants,
-                                parallel_iterations=parallel)
-        return list(results)[:carried]
-
-    new_refs = graph.splice(build, [loop_inputs[slot] for slot in kept] + list(invariant.leaves),
-                            scope="tfmem_sunk")
+    leaf_refs = [TensorRef(arg) for arg in leaf_args]
+    extras = Extras(inputs=invariant.leaves, feed=lambda values: dict(zip(leaf_refs, values)))
+    new_refs, _ = rebuild_while(graph, invariant.loop, body, cond, kept, extras=extras, scope="tfmem_sunk")
     for slot, new in zip(kept, new_refs):
         graph.replace_all_uses(TensorRef(invariant.loop, slot), new)
     graph.replace_all_uses(TensorRef(invariant.loop, invariant.slot), loop_inputs[invariant.slot])
@@ -212,12 +198,3 @@ def sink_invariant(graph: Graph, invariant: LoopInvariant,
         raise GraphError(f"loop {invariant.loop} is still read after it was rebuilt")
     return records
 
-
-def _run(function: Graph, fed: dict[TensorRef, tf.Tensor], returns: Sequence[TensorRef], name: str) -> list[tf.Tensor]:
-    """Imports a function's nodes into the current graph with its arguments `fed`, and
-    returns `returns` (an argument returned as it came is handed straight back)."""
-    arguments = {n.name for n in function.find("Placeholder")}
-    nodes = [n for n in function.topological_order() if n not in arguments]
-    computed = [ref for ref in returns if ref.node not in arguments]
-    results = iter(fragment(function, nodes).import_into(fed, computed, name=name) if computed else [])
-    return [tf.identity(fed[ref]) if ref.node in arguments else next(results) for ref in returns]
