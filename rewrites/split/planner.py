@@ -53,6 +53,10 @@ _FIRST_CHUNK_SHARE = 8
 # Chunk lengths are planned to this share of the room a loop's body has (the body is only
 # roughly proportional to its chunk length), and grown only when that gains a quarter.
 _CHUNK_MARGIN = 0.9
+# A loop body an invariant is sunk into may take at least this share of the plan, however
+# much is live around the loop then: what is (a gradient program's [n, n] tensors kept for
+# the backward) is mostly split after, and a smaller body would not fit a row of K.
+_SUNK_BODY_FLOOR = 4
 _WORTH_GROWING = 1.25
 # A split that takes its tensor off the peak may leave the peak where it was, or a little
 # higher (a loop keeps its inputs alive): the next split, now possible, lowers it. Each
@@ -311,7 +315,7 @@ class Planner:
                     verdict = PlanVerdict(True, estimate_memory(body).peak_bytes, 0)
                 else:
                     arguments = sum(body.nbytes(TensorRef(p.name)) or 0 for p in body.find("Placeholder"))
-                    body_plan = max(plan // _SURELY_SPLIT_SHARE, int((plan - outside) * _CHUNK_MARGIN) + arguments)
+                    body_plan = max(plan // _SUNK_BODY_FLOOR, int((plan - outside) * _CHUNK_MARGIN) + arguments)
                     inner, verdict = Planner.within(self.pass_name, body, body_plan, None, split_size)
                 body.assign(inner.graph)
                 body_verdicts[loop] = verdict
