@@ -244,12 +244,8 @@ def main(argv: list[str]) -> None:
         for method in ("xla", "tfmem"):
             for n in sizes:
                 save = os.path.join(scratch, f"{method}_{n}.npy")
-                result = run_isolated("benchmarks.matrix_free:trial", n, method, save,
-                                      memory_limit_mb=LIMIT_MIB, timeout=flags.FLAGS.timeout)
-                value = result.value if result.ok else {}
-                outcome = "oom" if value.get("oom_error") else result.status
-                row = {"n": n, "method": method, "outcome": outcome, "real_peak": result.peak_bytes,
-                       **value, "error": (result.error or "")[:200]}
+                row = _limited_trial(n, method, save, gradients=False)
+                outcome = row["outcome"]
                 if outcome == "ok" and method == "tfmem":  # the hand-chunked reference, no limit
                     ref = os.path.join(scratch, f"reference_{n}.npy")
                     reference = run_isolated("benchmarks.matrix_free:trial", n, "reference", ref,
@@ -273,24 +269,31 @@ def main(argv: list[str]) -> None:
         documents.write(flags.FLAGS.json, document, "MATRIX_FREE.md", render)
 
 
-def _gradient_rows(sizes: list[int], scratch: str) -> list[dict[str, Any]]:
-    """`cg_loss_and_grads` at each size under the real limit, stock XLA then tfmem; tfmem's
-    gradient against stock XLA's where both ran."""
+def _limited_trial(n: int, method: str, save: str, *, gradients: bool) -> dict[str, Any]:
+    """`trial` in its own process under the real limit, as a table row (outcome: ok, oom, …)."""
     from absl import flags
 
     from tfmem import run_isolated
+
+    result = run_isolated("benchmarks.matrix_free:trial", n, method, save, gradients,
+                          memory_limit_mb=LIMIT_MIB, timeout=flags.FLAGS.timeout)
+    value = result.value if result.ok else {}
+    outcome = "oom" if value.get("oom_error") else result.status
+    return {"n": n, "method": method, "outcome": outcome, "real_peak": result.peak_bytes, **value,
+            "error": (result.error or "")[:200]}
+
+
+def _gradient_rows(sizes: list[int], scratch: str) -> list[dict[str, Any]]:
+    """`cg_loss_and_grads` at each size under the real limit, stock XLA then tfmem; tfmem's
+    gradient against stock XLA's where both ran."""
     from tfmem.config import format_size
 
     rows: list[dict[str, Any]] = []
     for method in ("xla", "tfmem"):
         for n in sizes:
             save = os.path.join(scratch, f"grad_{method}_{n}.npy")
-            result = run_isolated("benchmarks.matrix_free:trial", n, method, save, True,
-                                  memory_limit_mb=LIMIT_MIB, timeout=flags.FLAGS.timeout)
-            value = result.value if result.ok else {}
-            outcome = "oom" if value.get("oom_error") else result.status
-            row = {"n": n, "method": method, "outcome": outcome, "real_peak": result.peak_bytes, **value,
-                   "error": (result.error or "")[:200]}
+            row = _limited_trial(n, method, save, gradients=True)
+            outcome = row["outcome"]
             stock = os.path.join(scratch, f"grad_xla_{n}.npy")
             if outcome == "ok" and method == "tfmem" and any(
                     r["n"] == n and r["method"] == "xla" and r["outcome"] == "ok" for r in rows):

@@ -48,6 +48,20 @@ def with_gradient(fn: Callable[..., Any]) -> Callable[..., Any]:
     return value_and_gradients
 
 
+def run_graph(graph: Any, concrete: Any, values: Sequence[Any]) -> list[np.ndarray]:
+    """Runs a (rewritten) `tfmem.graph.Graph` of `concrete`'s function on `values`, fed to
+    the function's inputs in order, and returns its outputs: a rewrite checked on the
+    graph itself, before any wrapper."""
+    names = [t.name for t in concrete.inputs]
+    graph_def = graph.to_graph_def()
+
+    def run(*tensors: tf.Tensor) -> Any:
+        return tf.graph_util.import_graph_def(graph_def, input_map=dict(zip(names, tensors)),
+                                              return_elements=[o.name for o in graph.outputs])
+
+    return [t.numpy() for t in tf.function(run)(*values)]
+
+
 def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
     """Runs the cleanup stage on a program with [rows, cols] float64 tensors; returns the
     growth of this process's resident-set high-water mark and the op counts after.

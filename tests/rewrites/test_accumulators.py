@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tfmem.graph import Graph
+from tfmem.testing import run_graph
 from tfmem.memory import list_element_shapes
 
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators, trip_bound
@@ -24,17 +25,6 @@ def _graph(fn, *args) -> tuple[Graph, tf.types.experimental.ConcreteFunction]:
 
 def _loops(graph: Graph) -> list[str]:
     return [node.name for node in graph.nodes if node.op in ("While", "StatelessWhile")]
-
-
-def _run(graph: Graph, concrete, values) -> list[np.ndarray]:
-    names = [t.name for t in concrete.inputs]
-    graph_def = graph.to_graph_def()
-
-    def run(*tensors):
-        return tf.graph_util.import_graph_def(graph_def, input_map=dict(zip(names, tensors)),
-                                              return_elements=[o.name for o in graph.outputs])
-
-    return [t.numpy() for t in tf.function(run)(*values)]
 
 
 def _outer_sums(trips: int, *, transposed: bool, two_terms: bool):
@@ -66,7 +56,7 @@ def test_collected_outer_products_equal_the_running_sum(rng, transposed, two_ter
     [total] = collect_outer_products(graph, found)
     assert graph.spec(total).shape.as_list() == [n, m]
     assert max(graph.nbytes(ref) or 0 for node in _loops(graph) for ref in graph.inputs(node)) < n * m * 8
-    [got] = _run(graph, concrete, [u, v])
+    [got] = run_graph(graph, concrete, [u, v])
     np.testing.assert_allclose(got, fn(u, v), rtol=1e-12, atol=1e-12)
 
 

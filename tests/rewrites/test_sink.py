@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import tfmem
 from rewrites.split.diagonals import lower_diagonals
 from tfmem.graph import Graph
+from tfmem.testing import run_graph
 
 SINK = "RecomputeLoopInvariant"
 COLLECT = "CollectOuterProducts"
@@ -222,20 +223,9 @@ def test_lowered_diagonal_ops_give_the_same_bits(rng, dtype, batch):
     assert {"MatrixSetDiagV3", "MatrixDiagPartV3"} <= {n.op for n in concrete.graph.as_graph_def().node}
     assert not [n for n in graph.nodes if n.op in ("MatrixSetDiagV3", "MatrixDiagPartV3")]
     assert len(lowered) == 3
-    out = _run_graph(graph, concrete, [a, d])
+    out = run_graph(graph, concrete, [a, d])
     for got, want in zip(out, fn(a, d)):
         np.testing.assert_array_equal(got, want)
-
-
-def _run_graph(graph: Graph, concrete, values) -> list[np.ndarray]:
-    names = [t.name for t in concrete.inputs]
-    graph_def = graph.to_graph_def()
-
-    def run(*tensors):
-        return tf.graph_util.import_graph_def(graph_def, input_map=dict(zip(names, tensors)),
-                                              return_elements=[o.name for o in graph.outputs])
-
-    return [t.numpy() for t in tf.function(run)(*values)]
 
 
 def test_two_invariants_of_one_loop_and_a_loop_in_a_loop_are_both_recomputed(rng):
