@@ -175,6 +175,65 @@ def test_a_gradient_through_the_loop_recomputes_k_in_both_loops(rng):
         np.testing.assert_allclose(got, expected, rtol=1e-9)
 
 
+def _lengthscale_gradient(n: int):
+    """CG differentiated with respect to a lengthscale variable (GPflow's parameters)."""
+    lengthscale = tf.Variable(1.3, dtype=tf.float64)
+    solve = conjugate_gradients(steps=5, jitter=2.0)
+
+    def loss_and_grad(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(solve(x / lengthscale, y) * y)
+        return loss, tape.gradient(loss, lengthscale)
+    return loss_and_grad
+
+
+def _power_iteration_gradient(n: int):
+    """K read inside the loop and after it: dK sums the loop's and the reader's parts."""
+    def loss_and_grad(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            k = _kernel(x)
+            v = tf.while_loop(lambda i, v: i < 6, lambda i, v: (i + 1, (k @ v) / tf.norm(k @ v)), (0, y),
+                              maximum_iterations=6)[1]
+            loss = tf.reduce_sum(v * (k @ v))
+        return loss, tape.gradient(loss, x)
+    return loss_and_grad
+
+
+def _lanczos_gradient(n: int):
+    """Lanczos, its coefficients in a TensorArray the loop carries, differentiated."""
+    def loss_and_grad(x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            k = _kernel(x)
+
+            def body(i, v, v_prev, beta, alphas):
+                w = k @ v - beta * v_prev
+                alpha = tf.reduce_sum(w * v)
+                w = w - alpha * v
+                return i + 1, w / tf.norm(w), v, tf.norm(w), alphas.write(i, alpha)
+
+            start = (0, y / tf.norm(y), tf.zeros_like(y), tf.constant(0.0, tf.float64), tf.TensorArray(tf.float64, 6))
+            alphas = tf.while_loop(lambda i, *_: i < 6, body, start, maximum_iterations=6)[4]
+            loss = tf.reduce_sum(alphas.stack() ** 2)
+        return loss, tape.gradient(loss, x)
+    return loss_and_grad
+
+
+@pytest.mark.parametrize("program", [_lengthscale_gradient, _power_iteration_gradient, _lanczos_gradient])
+def test_other_gradients_through_loops_collect_and_equal_stock(rng, program):
+    n = 500
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    fn = program(n)
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.explain(x, y)
+    assert _records(report, COLLECT) and len(_records(report, SINK)) >= 2, report.summary()
+    assert report.xla_bytes_after < n * n * 8  # less than one K
+    want = tf.function(fn, jit_compile=True)(x, y)
+    for got, expected in zip(wrapped(x, y), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12 * float(np.max(np.abs(expected))))
+
+
 @settings(max_examples=5, deadline=None, derandomize=True)
 @given(n=st.integers(200, 700), steps=st.integers(1, 5), jitter=st.sampled_from([0.5, 2.0]),
        share=st.sampled_from([2, 3, 5]), dtype=st.sampled_from([tf.float32, tf.float64]))
