@@ -134,6 +134,20 @@ def estimate_memory(graph: Graph | graph_pb2.GraphDef, *, outputs: Any = ()) -> 
     return _Estimator(graph).run()
 
 
+def _returned_source(body: Any, producers: Mapping[str, Any], index: int, through: frozenset[str]) -> str:
+    """Where a function's output `index` comes from, followed back through ops in
+    `through` (their first input): a FunctionDef tensor ("node:output_arg:index") or,
+    when the chain reaches one, an argument's name."""
+    args = {arg.name for arg in body.signature.input_arg}
+    source = body.ret[body.signature.output_arg[index].name]
+    while source not in args:
+        producer = producers.get(function_tensor_node(source))
+        if producer is None or producer.op not in through:
+            break
+        source = producer.input[0]
+    return source
+
+
 def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
     """Outputs of a `While` node that are its inputs handed through unchanged: index → index.
 
@@ -144,18 +158,10 @@ def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
     if node.op not in ("While", "StatelessWhile") or graph.function(node.attr["body"].func.name) is None:
         return {}
     body = graph.function(node.attr["body"].func.name)
-    args = {arg.name: i for i, arg in enumerate(body.signature.input_arg)}
     producers = {n.name: n for n in body.node_def}
     passed = {}
-    for index, out in enumerate(body.signature.output_arg):
-        # FunctionDef tensors are "node:output_arg:index"; follow Identity chains back.
-        source = body.ret[out.name]
-        while source not in args:
-            producer = producers.get(function_tensor_node(source))
-            if producer is None or producer.op != "Identity":
-                break
-            source = producer.input[0]
-        if args.get(source) == index:
+    for index, arg in enumerate(body.signature.input_arg[:len(body.signature.output_arg)]):
+        if _returned_source(body, producers, index, frozenset({"Identity"})) == arg.name:
             passed[index] = index
     return passed
 
@@ -375,15 +381,7 @@ def _body_updates_list(graph: Graph, loop: str, slot: int) -> bool:
     if body is None or slot >= len(body.signature.output_arg):
         return False
     producers = {n.name: n for n in body.node_def}
-    source = body.ret[body.signature.output_arg[slot].name]
-    for _ in range(64):
-        if source == body.signature.input_arg[slot].name:
-            return True
-        producer = producers.get(function_tensor_node(source))
-        if producer is None or producer.op not in _LIST_UPDATES:
-            return False
-        source = producer.input[0]
-    return False
+    return _returned_source(body, producers, slot, _LIST_UPDATES) == body.signature.input_arg[slot].name
 
 
 def _with_list_shapes(fdef: Any, element_shapes: Mapping[int, tf.TensorShape]) -> Any:

@@ -159,8 +159,8 @@ def outer_product_accumulators(graph: Graph, loop: str, limit: int) -> list[Oute
     if body_def.control_ret or cond_def.control_ret:
         return f"loop {loop}: it has side effects (control outputs)"
     inputs = graph.inputs(loop)
-    big = [slot for slot, ref in enumerate(inputs)
-           if (graph.nbytes(ref) or 0) > limit and while_passthrough(graph, loop).get(slot) != slot]
+    passthrough = while_passthrough(graph, loop)
+    big = [slot for slot, ref in enumerate(inputs) if (graph.nbytes(ref) or 0) > limit and passthrough.get(slot) != slot]
     if not big:
         return []
     body = loop_function_graph(graph, loop, "body")

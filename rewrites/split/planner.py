@@ -296,12 +296,13 @@ class Planner:
         read_through_loops(graph, seed)  # a gradient loop reads it from the forward loop's output
         # A gradient loop that reads it also sums its gradient whole: collect that sum's
         # outer products instead (its loop is rebuilt, so the slots are found after).
-        self._collect_outer_products(seed, max(1, nbytes // _WORTH_SPLITTING))
+        leaf_limit = max(1, nbytes // _WORTH_SPLITTING)  # what is small enough to hand a loop
+        self._collect_outer_products(seed, leaf_limit)
         slots = [(loop, slot) for loop, slot in invariant_slots(graph, seed) if self._loop_running(loop) is None]
         fired = False
         body_verdicts: dict[str, PlanVerdict] = {}
         for loop, slot in slots:
-            found = loop_invariant(graph, seed, loop, slot, leaf_limit=max(1, nbytes // _WORTH_SPLITTING))
+            found = loop_invariant(graph, seed, loop, slot, leaf_limit=leaf_limit)
             if isinstance(found, str):
                 self._reject(seed, f"{_NOT_RECOMPUTED} loop {loop}: {found}")
                 continue
