@@ -261,13 +261,15 @@ class Report:
             peaks += f" (XLA plans {format_size(self.xla_bytes_after)})"
         elif self.budget is not None and self.compiled is not None and self.config.jit_compile:
             peaks += f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)"
-        loops = [r for r in self.splits if "recomputed_in" not in r.details]
+        loops = [r for r in self.splits if "recomputed_in" not in r.details and "recomputed_for" not in r.details]
         chunks = sum(int(r.details.get("chunks", 0)) for r in loops)
         split = (f"{len(loops)} loop{'s' * (len(loops) != 1)} in {chunks} chunks" if loops
                  else "nothing split")
         for sunk in (r for r in self.splits if "recomputed_in" in r.details):  # rewrites.split.sink
             split += (f"; {sunk.details['tensor']} {sunk.details.get('shape', '')} recomputed inside loop "
                       f"{sunk.details['recomputed_in']}, not held")
+        for again in (r for r in self.splits if "recomputed_for" in r.details):  # rewrites.split.recompute
+            split += f"; {again.details['tensor']} {again.details['shape']} made again for its late readers, not held"
         if self.budget is None:
             if self.config.budget_off:
                 return f"no bound (memory_budget: off): {peaks}; {split}"

@@ -66,6 +66,8 @@ _ELEMENTWISE = frozenset("""Add AddV2 Sub Mul RealDiv Div DivNoNan Maximum Minim
     Greater GreaterEqual Less LessEqual Equal NotEqual LogicalAnd LogicalOr SelectV2 AddN TanhGrad
     SigmoidGrad SqrtGrad RsqrtGrad ReciprocalGrad Atan2 FloorDiv FloorMod Xdivy Xlogy MulNoNan
     TruncateDiv ReluGrad SoftplusGrad BiasAdd""".split())
+# Public names for other passes that ask "is this op elementwise?" (the recompute cone).
+UNARY_OPS, ELEMENTWISE_OPS = _UNARY, _ELEMENTWISE
 _REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod": "prod",
                "All": "all", "Any": "any"}
 

@@ -7,7 +7,9 @@ Two ways to decide, which may be combined:
 - by budget: while the whole program's static peak is over the budget,
   1. if the peak is inside a loop this pass emitted, shrink that loop's chunks (its body
      is, to first order, proportional to the chunk length);
-  2. otherwise split the largest computed tensor live at the peak;
+  2. otherwise take the largest computed tensor live at the peak: recompute it inside
+     the user's loops that read it (`sink`), or for its readers after the peak when it
+     is cheap to make (`recompute`), or else split it;
   then, once it fits, grow every loop's chunks as far as the budget allows: fewer,
   larger chunks run faster (every trip costs time).
 
@@ -34,6 +36,7 @@ from tfmem.passes import RewriteRecord
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
 from rewrites.split.diagonals import lower_diagonals
 from rewrites.split.loops import emit_loop
+from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
 from rewrites.split.sink import WHILE_OPS, invariant_slots, loop_invariant, read_through_loops, sink_invariant
 
@@ -144,6 +147,7 @@ class Planner:
         self.records: list[RewriteRecord] = []
         self.loops: list[Loop] = []
         self.given_up: set[TensorRef] = set()
+        self.not_recomputed: set[tuple[TensorRef, str | None]] = set()  # (tensor, peak node) tried
         self.seen_regions: set[tuple[str, ...]] = set()
 
     # --- by threshold -----------------------------------------------------------------
@@ -244,10 +248,17 @@ class Planner:
         over = estimate.peak_bytes - plan
         for live in estimate.live_at_peak:
             seed = TensorRef.parse(live.name)
-            if seed in self.given_up or graph.node(seed.node).op in GRAPH_INPUT_OPS:
+            if graph.node(seed.node).op in GRAPH_INPUT_OPS:
                 continue
             if live.nbytes * _WORTH_SPLITTING < min(over, chunk_budget):
                 break  # largest first: what is left is too small to matter (or to split)
+            # Tried at every new peak, even for a tensor given up for splitting: what
+            # keeps it alive depends on where the peak is.
+            recomputed = self._recompute_later(seed, estimate)
+            if recomputed is not None:
+                return recomputed  # its early readers still read it: it may be split next
+            if seed in self.given_up:
+                continue
             sunk = self._sink_into_loops(seed, estimate, plan, split_size)
             if sunk is not None:
                 return sunk  # its readers outside the loops (if any) are split next
@@ -359,6 +370,45 @@ class Planner:
                            "a loop that needs it whole, or a gradient loop that accumulates a gradient of its size, "
                            "holds as much")
         return None
+
+    def _recompute_later(self, seed: TensorRef, estimate: MemoryEstimate) -> MemoryEstimate | None:
+        """Gives the readers that keep `seed` alive across the peak their own copy, made
+        just before them, when it is cheap to make (`rewrites.split.recompute`); the new
+        estimate, or None when it is not or the program's peak does not fall."""
+        graph = self.graph
+        if (seed, estimate.peak_node) in self.not_recomputed:
+            return None
+        self.not_recomputed.add((seed, estimate.peak_node))
+        readers = late_readers(graph, seed, estimate)
+        if not readers:
+            return None
+        nbytes, spec = graph.nbytes(seed) or 0, graph.spec(seed)
+        cone = cheap_cone(graph, seed, leaf_limit=max(1, nbytes // _WORTH_SPLITTING))
+        if isinstance(cone, str):
+            return None  # most tensors at a peak are not cheap: not worth a record each
+        checkpoint = self._checkpoint()
+        try:
+            recompute_for(graph, cone, readers, estimate)
+        except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
+            self._rollback(checkpoint)
+            self._reject(seed, f"not recomputed for its late readers: {first_line(err)}")
+            return None
+        graph.prune()
+        after = estimate_memory(graph)
+        names = ", ".join(reader for reader, _ in readers)
+        if after.peak_bytes >= estimate.peak_bytes:
+            self._rollback(checkpoint)
+            self._reject(seed, f"not recomputed for its late readers ({names}): the program's peak would not fall "
+                               f"({format_size(estimate.peak_bytes)} → {format_size(after.peak_bytes)})")
+            return None
+        self.records.append(RewriteRecord(
+            self.pass_name, RECOMPUTE_RULE, "fired", (seed.node,), kind="split",
+            reason=f"made again from {', '.join(leaf.name for leaf in cone.leaves) or 'constants'} for {names}, "
+                   "not held across the peak",
+            details={"tensor": seed.name, "bytes": nbytes, "shape": f"{spec.dtype.name}{spec.shape.as_list()}",
+                     "recomputed_for": names, "nodes": len(cone.nodes),
+                     "peak_bytes_before": estimate.peak_bytes, "peak_bytes_after": after.peak_bytes}))
+        return after
 
     def _collect_outer_products(self, seed: TensorRef, limit: int) -> None:
         """Rebuilds each user loop reading `seed` whose big accumulators sum outer

@@ -1,0 +1,182 @@
+"""Recomputing instead of holding: a cheap whole matrix is made again for its late readers.
+
+A kernel matrix `K = k(Z, Z)` is read early (`K + σ²I` → Cholesky) and again late (its
+gradient `Σ dK ⊙ K` for the lengthscales). Held in between, it sits at the program's peak
+beside the Cholesky factor and the gradient's work matrices. When K is cheap to make —
+elementwise maps, broadcasts, and products with a small inner dimension, from small
+inputs (its *cone*) — the late readers get their own copy, made just before them:
+
+    K = k(Z, Z)                          K = k(Z, Z)
+    L = chol(K + σ²I)                    L = chol(K + σ²I)
+    ... the peak: K, L, dL, ...     →    ... the peak: L, dL, ... (K is gone)
+    g = Σ dK ⊙ K                         Z′ = Z − 0·(dK₀ ≠ dK₀);  g = Σ dK ⊙ k(Z′, Z′)
+
+The copy reads its leaves through a subtraction of an exact zero computed from an input
+of the first late reader (`dK`; see `_after`): it cannot be made before that input
+exists, and XLA cannot merge it back into the original (its common-subexpression pass
+sees other operands). The split planner does this (`Planner._recompute_later`) for a tensor held
+across the static peak, and keeps it only when the peak falls; the copy's readers may
+then be split like any others.
+
+Example (GPflow SGPR loss and gradients; `Exp_1` is the inducing points' kernel matrix):
+    >>> cone = cheap_cone(graph, TensorRef("Exp_1"), leaf_limit=2**20)
+    >>> cone.leaves                     # Z / lengthscales [M, 3]: all it takes
+    >>> estimate = estimate_memory(graph)   # its peak: the gradient's triangular solves
+    >>> readers = late_readers(graph, TensorRef("Exp_1"), estimate)   # gradient_tape/mul_5, ...
+    >>> recompute_for(graph, cone, readers, estimate)  # the copy's output; they read it now
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
+from tfmem.memory import RESIDENT_OPS, MemoryEstimate
+
+from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
+from rewrites.split.loops import is_small_constant
+
+RECOMPUTE_RULE = "RecomputeForLateReaders"
+# Ops whose cost is proportional to what they read or write: recomputing them costs about
+# as much as reading the tensor back from memory would.
+_CHEAP_OPS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
+    "ExpandDims", "Squeeze", "Reshape", "BroadcastTo", "Tile", "Fill", "Transpose", "Const",
+    "Sum", "Mean", "Max", "Min", "Prod", "MatrixSetDiagV3", "MatrixDiagV3", "MatrixDiagPartV3",
+    "MatrixBandPart", "Select", "ZerosLike", "OnesLike"})
+_PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# A product is cheap when each output element sums at most this many terms (a kernel
+# matrix's squared distances: the inputs' dimension).
+MAX_INNER = 128
+_MAX_CONE_NODES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Cone:
+    """How to make `tensor` again: `nodes` (topological order) from `leaves`."""
+
+    tensor: TensorRef
+    nodes: tuple[str, ...]
+    leaves: tuple[TensorRef, ...]
+
+
+def _inner_dimension(graph: Graph, name: str) -> int | None:
+    node = graph.node(name)
+    shape = graph.spec(graph.inputs(name)[0]).shape
+    if shape.rank is None or shape.rank < 2:
+        return None
+    adjoint = node.attr["transpose_a"].b if node.op == "MatMul" else node.attr["adj_x"].b
+    return shape[-2] if adjoint else shape[-1]
+
+
+def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int) -> Cone | str:
+    """The cheap ops that make `tensor` from inputs of at most `leaf_limit` bytes (or
+    inputs of the program, held anyway); or why there are none.
+
+    Cheap: elementwise maps, broadcasts and reshapes, reductions, diagonal edits, and
+    products whose inner dimension is at most `MAX_INNER`. Anything else over
+    `leaf_limit` — a Cholesky factor, a product over the data — is not recomputed.
+    """
+    nodes: set[str] = set()
+    leaves: list[TensorRef] = []
+    stack = [tensor.node]
+    while stack:
+        name = stack.pop()
+        if name in nodes:
+            continue
+        node = graph.node(name)
+        if node.op in _PRODUCT_OPS:
+            inner = _inner_dimension(graph, name)
+            if inner is None or inner > MAX_INNER:
+                return f"{tensor.name} is made by {name} ({node.op}), a product over {inner or 'unknown'} terms"
+        elif node.op not in _CHEAP_OPS:
+            return f"{tensor.name} is made by {name} ({node.op}), which is not cheap to recompute"
+        if graph.is_stateful(name) or graph.control_inputs(name):
+            return f"{tensor.name} is made by {name}, which has side effects or control inputs"
+        nodes.add(name)
+        if len(nodes) > _MAX_CONE_NODES:
+            return f"{tensor.name} takes more than {_MAX_CONE_NODES} ops to recompute"
+        for ref in graph.inputs(name):
+            nbytes = graph.nbytes(ref)
+            if nbytes is None:
+                return f"{tensor.name} is made from {ref.name}, whose shape is not static"
+            if is_small_constant(graph, ref):
+                stack.append(ref.node)  # copied with the cone
+            elif nbytes <= leaf_limit or graph.node(ref.node).op in RESIDENT_OPS:
+                if ref not in leaves:
+                    leaves.append(ref)
+            else:
+                stack.append(ref.node)
+    order = [name for name in graph.topological_order() if name in nodes]
+    return Cone(tensor, tuple(order), tuple(leaves))
+
+
+def late_readers(graph: Graph, tensor: TensorRef, estimate: MemoryEstimate) -> list[tuple[str, int]]:
+    """The readers of `tensor` that the estimate's schedule runs after its peak: what
+    keeps it alive there. Empty when it is read at the peak itself."""
+    position = {name: i for i, name in enumerate(estimate.steps)}
+    peak = position.get(estimate.peak_node or "", -1)
+    readers = graph.consumers(tensor)
+    if any(position.get(reader, -1) == peak for reader, _ in readers):
+        return []
+    return [(reader, slot) for reader, slot in readers if position.get(reader, -1) > peak]
+
+
+def _tie(graph: Graph, cone: Cone, first_reader: str, position: dict[str, int]) -> TensorRef | None:
+    """The floating-point input of `first_reader` made last (other than the tensor
+    itself): the copy waits for it."""
+    candidates = [ref for ref in graph.inputs(first_reader)
+                  if ref != cone.tensor and graph.spec(ref).dtype.is_floating
+                  and (graph.spec(ref).shape.num_elements() or 0) > 0
+                  and graph.node(ref.node).op not in RESIDENT_OPS]
+    return max(candidates, key=lambda ref: position.get(ref.node, -1), default=None)
+
+
+def _after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
+    """`leaves`, bit for bit, as values computed from `tie`.
+
+    `leaf - zero`, where `zero` is `0.0 × (tie₀ ≠ tie₀)`: 0 × 0 or 0 × 1, so +0.0
+    whatever `tie₀` holds (NaN included), and `x - (+0.0)` is `x` for every float (−0.0
+    too). XLA cannot fold it (the comparison is false only for numbers it does not know),
+    so the copy can neither run before `tie` nor be merged back into the original.
+    (`XlaOptimizationBarrier` is no substitute: XLA's CPU pipeline removes barriers before
+    its common-subexpression pass.)
+    """
+    first = tf.reshape(tie, [-1])[0]
+    unknown = tf.math.not_equal(first, first)
+    passed = []
+    for leaf in leaves:
+        if leaf.dtype.is_floating:
+            passed.append(leaf - tf.cast(unknown, leaf.dtype) * tf.constant(0.0, leaf.dtype))
+        else:
+            passed.append(leaf)
+    return passed
+
+
+def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
+                  estimate: MemoryEstimate) -> TensorRef:
+    """Makes a copy of `cone` for `readers` (see the module docstring), after the last
+    made input of the first of them in the estimate's schedule; rewires them to it and
+    returns the copy's tensor. Raises GraphError when nothing can order the copy."""
+    position = {name: i for i, name in enumerate(estimate.steps)}
+    first = min((reader for reader, _ in readers), key=lambda r: position.get(r, -1))
+    tie = _tie(graph, cone, first, position)
+    if tie is None:
+        raise GraphError(f"{first} reads no floating-point tensor but {cone.tensor.name}: nothing orders a copy")
+    if not any(graph.spec(leaf).dtype.is_floating for leaf in cone.leaves):
+        raise GraphError(f"{cone.tensor.name} is made from no floating-point tensor: nothing orders a copy")
+    leaves = list(cone.leaves)
+    passed = graph.splice(_after, [tie, *leaves], scope="tfmem_recompute_after")
+    scope = graph.unique_scope("tfmem_recompute")
+    renamed = {name: f"{scope}/{name}" for name in cone.nodes}
+    leaf_of = dict(zip(leaves, passed))
+    for name in cone.nodes:
+        inputs = [leaf_of[ref] if ref in leaf_of else TensorRef(renamed[ref.node], ref.index)
+                  for ref in graph.inputs(name)]
+        copy = set_node_inputs(copy_node(graph.node(name), renamed[name], keep_shapes=True), inputs)
+        graph.add_node(copy)
+    copied = TensorRef(renamed[cone.tensor.node], cone.tensor.index)
+    for reader, slot in readers:
+        graph.set_input(reader, slot, copied)
+    return copied
