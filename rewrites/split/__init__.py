@@ -13,7 +13,9 @@ tensor a user's `tf.while_loop` reads unchanged in every trip (a kernel matrix i
 conjugate gradients) is first recomputed inside that loop's body, which is then planned
 like a program of its own (`sink`); when that loop is differentiated, TensorFlow's gradient
 loop sums K's gradient whole, and that sum is collected as outer products and formed after
-the loop, where it splits (`accumulators`).
+the loop, where it splits (`accumulators`). A whole matrix that is cheap to make (a
+kernel matrix from its inputs) and is held across the peak only for readers after it
+is made again for them instead (`recompute`).
 
 Conditions: static shapes; ops on the path must have a split rule (`op_rules`); a region's
 results must be sinks (reductions, contractions, top-k, arg-max/min) or tensors small
