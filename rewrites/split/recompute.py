@@ -27,7 +27,6 @@ Example (GPflow SGPR loss and gradients; `Exp_1` is the inducing points' kernel 
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -35,8 +34,8 @@ import tensorflow as tf
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
 from tfmem.memory import RESIDENT_OPS, MemoryEstimate
 
+from rewrites.split.cone import Cone, grow_cone
 from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
-from rewrites.split.loops import is_small_constant
 
 RECOMPUTE_RULE = "RecomputeForLateReaders"
 # Ops whose cost is proportional to what they read or write: recomputing them costs about
@@ -50,15 +49,6 @@ _PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMul
 # matrix's squared distances: the inputs' dimension).
 MAX_INNER = 128
 _MAX_CONE_NODES = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Cone:
-    """How to make `tensor` again: `nodes` (topological order) from `leaves`."""
-
-    tensor: TensorRef
-    nodes: tuple[str, ...]
-    leaves: tuple[TensorRef, ...]
 
 
 def _inner_dimension(graph: Graph, name: str) -> int | None:
@@ -78,38 +68,17 @@ def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int) -> Cone | st
     products whose inner dimension is at most `MAX_INNER`. Anything else over
     `leaf_limit` — a Cholesky factor, a product over the data — is not recomputed.
     """
-    nodes: set[str] = set()
-    leaves: list[TensorRef] = []
-    stack = [tensor.node]
-    while stack:
-        name = stack.pop()
-        if name in nodes:
-            continue
-        node = graph.node(name)
-        if node.op in _PRODUCT_OPS:
+    def refuse(name: str) -> str | None:
+        op = graph.node(name).op
+        if op in _PRODUCT_OPS:
             inner = _inner_dimension(graph, name)
             if inner is None or inner > MAX_INNER:
-                return f"{tensor.name} is made by {name} ({node.op}), a product over {inner or 'unknown'} terms"
-        elif node.op not in _CHEAP_OPS:
-            return f"{tensor.name} is made by {name} ({node.op}), which is not cheap to recompute"
-        if graph.is_stateful(name) or graph.control_inputs(name):
-            return f"{tensor.name} is made by {name}, which has side effects or control inputs"
-        nodes.add(name)
-        if len(nodes) > _MAX_CONE_NODES:
-            return f"{tensor.name} takes more than {_MAX_CONE_NODES} ops to recompute"
-        for ref in graph.inputs(name):
-            nbytes = graph.nbytes(ref)
-            if nbytes is None:
-                return f"{tensor.name} is made from {ref.name}, whose shape is not static"
-            if is_small_constant(graph, ref):
-                stack.append(ref.node)  # copied with the cone
-            elif nbytes <= leaf_limit or graph.node(ref.node).op in RESIDENT_OPS:
-                if ref not in leaves:
-                    leaves.append(ref)
-            else:
-                stack.append(ref.node)
-    order = [name for name in graph.topological_order() if name in nodes]
-    return Cone(tensor, tuple(order), tuple(leaves))
+                return f"{tensor.name} is made by {name} ({op}), a product over {inner or 'unknown'} terms"
+            return None
+        return None if op in _CHEAP_OPS else f"{tensor.name} is made by {name} ({op}), which is not cheap to recompute"
+
+    return grow_cone(graph, tensor, leaf_limit=leaf_limit, refuse=refuse, max_nodes=_MAX_CONE_NODES,
+                     resident_leaves=True)
 
 
 def late_readers(graph: Graph, tensor: TensorRef, estimate: MemoryEstimate) -> list[tuple[str, int]]:

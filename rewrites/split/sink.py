@@ -37,7 +37,7 @@ from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
 from tfmem.memory import loop_function_graph, while_passthrough
 from tfmem.passes import RewriteRecord
 
-from rewrites.split.loops import is_small_constant
+from rewrites.split.cone import grow_cone
 from rewrites.split.rebuild import Extras, rebuild_while
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
@@ -112,36 +112,15 @@ def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
     cond_arg = TensorRef(graph.function(cond_name).signature.input_arg[slot].name)
     if cond.consumers(cond_arg) or cond.is_output(cond_arg):
         return f"loop {loop}: its condition reads {tensor.name}"
-    cone: list[str] = []
-    leaves: list[TensorRef] = []
-    seen: set[str] = set()
-    stack = [tensor.node]
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        producer = graph.node(name)
-        if producer.op in _OPAQUE_OPS or graph.is_stateful(name):
-            return f"{tensor.name} is made from {name} ({producer.op}), which cannot be recomputed in the loop"
-        if graph.control_inputs(name):
-            return f"{tensor.name} is made by {name}, which has control inputs"
-        cone.append(name)
-        if len(cone) > _MAX_CONE_NODES:
-            return f"{tensor.name} takes more than {_MAX_CONE_NODES} ops to recompute"
-        for ref in graph.inputs(name):
-            nbytes = graph.nbytes(ref)
-            if nbytes is None:
-                return f"{tensor.name} is made from {ref.name}, whose shape is not static"
-            if is_small_constant(graph, ref):
-                stack.append(ref.node)  # cloned into the body, as a split loop's body copies it
-            elif nbytes <= leaf_limit:
-                if ref not in leaves:
-                    leaves.append(ref)
-            else:
-                stack.append(ref.node)
-    order = [name for name in graph.topological_order() if name in seen]
-    return LoopInvariant(tensor, loop, slot, tuple(order), tuple(leaves))
+    def refuse(name: str) -> str | None:
+        if graph.node(name).op in _OPAQUE_OPS or graph.is_stateful(name):
+            return f"{tensor.name} is made from {name} ({graph.node(name).op}), which cannot be recomputed in the loop"
+        return None
+
+    cone = grow_cone(graph, tensor, leaf_limit=leaf_limit, refuse=refuse, max_nodes=_MAX_CONE_NODES)
+    if isinstance(cone, str):
+        return cone
+    return LoopInvariant(tensor, loop, slot, cone.nodes, cone.leaves)
 
 
 def sink_invariant(graph: Graph, invariant: LoopInvariant,
