@@ -38,9 +38,7 @@ from tensorflow.python.framework import op_def_registry
 # the input's lifetime but allocate nothing of their own.
 ALIASING_OPS = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze",
                           "StopGradient", "Snapshot", "PreventGradient", "EnsureShape",
-                          "CheckNumerics", "XlaOptimizationBarrier"})
-# Aliasing ops with several outputs: output i is input i (the others alias input 0).
-PER_INPUT_ALIASING_OPS = frozenset({"IdentityN", "XlaOptimizationBarrier"})
+                          "CheckNumerics"})
 # Ops that hold state or talk to the outside world: never removed, never duplicated.
 ALWAYS_KEEP_OPS = frozenset({"Placeholder", "NoOp"})
 

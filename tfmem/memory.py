@@ -24,7 +24,7 @@ from tensorflow.core.framework import graph_pb2
 
 from tfmem.config import format_size
 from tfmem.errors import first_line
-from tfmem.graph import ALIASING_OPS, PER_INPUT_ALIASING_OPS, Graph, TensorRef, function_tensor_node, keep_functions_alive
+from tfmem.graph import ALIASING_OPS, Graph, TensorRef, function_tensor_node, keep_functions_alive
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class _Estimator:
             for index in range(len(graph.output_specs(name))):
                 ref = TensorRef(name, index)
                 if node.op in ALIASING_OPS and inputs or index in passed:
-                    source = inputs[passed.get(index, index if node.op in PER_INPUT_ALIASING_OPS else 0)]
+                    source = inputs[passed.get(index, index if node.op == "IdentityN" else 0)]
                     buffer_of[ref] = buffer_of[source]
                     continue
                 buffer_of[ref] = ref

@@ -112,6 +112,7 @@ def loop_invariant(graph: Graph, tensor: TensorRef, loop: str, slot: int, *,
     cond_arg = TensorRef(graph.function(cond_name).signature.input_arg[slot].name)
     if cond.consumers(cond_arg) or cond.is_output(cond_arg):
         return f"loop {loop}: its condition reads {tensor.name}"
+
     def refuse(name: str) -> str | None:
         if graph.node(name).op in _OPAQUE_OPS or graph.is_stateful(name):
             return f"{tensor.name} is made from {name} ({graph.node(name).op}), which cannot be recomputed in the loop"

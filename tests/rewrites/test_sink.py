@@ -147,13 +147,19 @@ def test_a_condition_that_reads_the_invariant_keeps_it(rng):
     np.testing.assert_allclose(wrapped(x), tf.function(fn, jit_compile=True)(x), rtol=1e-9)
 
 
-def _loss_and_grad(solve):
+def _gradient_of(loss, wrt=None):
+    """`(loss(x, y), its gradient)` with respect to `x`, or to the variable `wrt`."""
     def loss_and_grad(x, y):
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(solve(x, y) ** 2)
-        return loss, tape.gradient(loss, x)
+            if wrt is None:
+                tape.watch(x)
+            value = loss(x, y)
+        return value, tape.gradient(value, x if wrt is None else wrt)
     return loss_and_grad
+
+
+def _loss_and_grad(solve):
+    return _gradient_of(lambda x, y: tf.reduce_sum(solve(x, y) ** 2))
 
 
 def test_a_gradient_through_the_loop_recomputes_k_in_both_loops(rng):
@@ -179,45 +185,34 @@ def _lengthscale_gradient(n: int):
     """CG differentiated with respect to a lengthscale variable (GPflow's parameters)."""
     lengthscale = tf.Variable(1.3, dtype=tf.float64)
     solve = conjugate_gradients(steps=5, jitter=2.0)
-
-    def loss_and_grad(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(solve(x / lengthscale, y) * y)
-        return loss, tape.gradient(loss, lengthscale)
-    return loss_and_grad
+    return _gradient_of(lambda x, y: tf.reduce_sum(solve(x / lengthscale, y) * y), wrt=lengthscale)
 
 
 def _power_iteration_gradient(n: int):
     """K read inside the loop and after it: dK sums the loop's and the reader's parts."""
-    def loss_and_grad(x, y):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            k = _kernel(x)
-            v = tf.while_loop(lambda i, v: i < 6, lambda i, v: (i + 1, (k @ v) / tf.norm(k @ v)), (0, y),
-                              maximum_iterations=6)[1]
-            loss = tf.reduce_sum(v * (k @ v))
-        return loss, tape.gradient(loss, x)
-    return loss_and_grad
+    def loss(x, y):
+        k = _kernel(x)
+        v = tf.while_loop(lambda i, v: i < 6, lambda i, v: (i + 1, (k @ v) / tf.norm(k @ v)), (0, y),
+                          maximum_iterations=6)[1]
+        return tf.reduce_sum(v * (k @ v))
+    return _gradient_of(loss)
 
 
 def _lanczos_gradient(n: int):
     """Lanczos, its coefficients in a TensorArray the loop carries, differentiated."""
-    def loss_and_grad(x, y):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            k = _kernel(x)
+    def loss(x, y):
+        k = _kernel(x)
 
-            def body(i, v, v_prev, beta, alphas):
-                w = k @ v - beta * v_prev
-                alpha = tf.reduce_sum(w * v)
-                w = w - alpha * v
-                return i + 1, w / tf.norm(w), v, tf.norm(w), alphas.write(i, alpha)
+        def body(i, v, v_prev, beta, alphas):
+            w = k @ v - beta * v_prev
+            alpha = tf.reduce_sum(w * v)
+            w = w - alpha * v
+            return i + 1, w / tf.norm(w), v, tf.norm(w), alphas.write(i, alpha)
 
-            start = (0, y / tf.norm(y), tf.zeros_like(y), tf.constant(0.0, tf.float64), tf.TensorArray(tf.float64, 6))
-            alphas = tf.while_loop(lambda i, *_: i < 6, body, start, maximum_iterations=6)[4]
-            loss = tf.reduce_sum(alphas.stack() ** 2)
-        return loss, tape.gradient(loss, x)
-    return loss_and_grad
+        start = (0, y / tf.norm(y), tf.zeros_like(y), tf.constant(0.0, tf.float64), tf.TensorArray(tf.float64, 6))
+        alphas = tf.while_loop(lambda i, *_: i < 6, body, start, maximum_iterations=6)[4]
+        return tf.reduce_sum(alphas.stack() ** 2)
+    return _gradient_of(loss)
 
 
 @pytest.mark.parametrize("program", [_lengthscale_gradient, _power_iteration_gradient, _lanczos_gradient])
