@@ -650,6 +650,13 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) 
             reasons.append(f"axis {axis}: {why}")
             continue
         write_outs = region.write_outs(graph)
+        if not region.sinks and all(r in oversized_out for r in write_outs):
+            # `emit_loop` leaves tensors over the threshold to their original ops, so such a
+            # loop returns nothing anyone reads and is pruned as soon as it is emitted.
+            held = ", ".join(f"{r.name} ({format_size(graph.nbytes(r) or 0)})" for r in write_outs)
+            reasons.append(f"axis {axis}: its loop would keep nothing it computes: {held or 'nothing'} "
+                           f"{'is' if len(write_outs) == 1 else 'are'} read whole outside it")
+            continue
         written = sum(graph.nbytes(r) or 0 for r in write_outs if r not in oversized_out)
         avoided = [graph.nbytes(r) or 0 for r in region.axes if r.node in region.nodes
                    and r.node not in region.sinks and r not in write_outs]

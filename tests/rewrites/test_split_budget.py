@@ -287,3 +287,37 @@ def test_a_plan_near_the_budget_asks_xla_and_is_not_split_further_to_avoid_it(ke
     # The plan is the one the usual target gives: no smaller chunks to skip XLA's check.
     assert kept.rewritten.context.target_bytes == tfmem.Budget(8 * 2**20, "config").plan_bytes
     assert kept.rewritten.memory.peak_bytes == traced.rewrite(config).memory.peak_bytes
+
+
+def kernel_log_det(x):
+    """log det(K + n·I) of an SE kernel matrix: the Cholesky reads K + n·I whole."""
+    sq = tf.reduce_sum(tf.square(x), -1)
+    k = tf.exp(-0.5 * (sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True)))  # [n, n]
+    n = x.shape[0]
+    chol = tf.linalg.cholesky(k + n * tf.eye(n, dtype=x.dtype))
+    return 2.0 * tf.reduce_sum(tf.math.log(tf.linalg.diag_part(chol)))
+
+
+def kernel_log_det_grad(x):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        value = kernel_log_det(x)
+    return value, tape.gradient(value, x)
+
+
+@pytest.mark.parametrize("program", [kernel_log_det, kernel_log_det_grad, kernel_times])
+def test_every_split_the_report_names_is_a_loop_in_the_rewritten_graph(program, rng) -> None:
+    # A region whose every output is read whole outside it (K + n·I by the Cholesky) keeps
+    # nothing it computes: its loop would be pruned as soon as it was emitted. Such a split
+    # is rejected with that reason, never reported as a loop the program does not have.
+    x = tf.constant(rng.normal(size=(600, 3)))
+    inputs = (x,) if program is not kernel_times else (x, tf.constant(rng.normal(size=(600, 8))))
+    report = tfmem.TfmemFunction(program, config={"memory_budget": "5MiB"}).report(*inputs)
+    graph = tfmem.Graph(report.rewritten_graph_def)
+    loops = [r.details["loop"] for r in report.splits if r.rule == "SplitOversizedRegions"]
+    assert len(set(loops)) == len(loops), loops
+    for scope in loops:
+        assert any(n.name.startswith(f"{scope}/") and n.op in ("While", "StatelessWhile") for n in graph.nodes), (
+            f"{scope} is reported but not in the graph:\n{report}")
+    if program is not kernel_times:  # the Cholesky's input is the region that keeps nothing
+        assert any("its loop would keep nothing it computes" in r.reason for r in report.rejected), str(report)
