@@ -41,6 +41,9 @@ Status = Literal["rewritten", "unchanged", "fallback"]
 
 # The live tensors at the peak `str(report)` lists, each with what keeps it alive.
 _PEAK_TENSORS_SHOWN = 6
+# The rule of the record that says a rewrite was dropped: XLA plans less for the program
+# as written (`tfmem.stages.compile_within_budget`).
+NEVER_WORSE_RULE = "NeverWorseThanWritten"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +280,9 @@ class Report:
             return f"no budget: {peaks}; {split}{hint}"
         outcome = "fits" if self.fits else "does NOT fit"
         line = f"{outcome} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
+        dropped = next((r for r in self.rejected if r.rule == NEVER_WORSE_RULE), None)
+        if dropped is not None:
+            line += f" — {dropped.reason}"
         verdict = self.verdict
         if not self.fits and verdict is not None and not verdict.fits:
             line += f" — {verdict.reason}; {self.memory_after.in_words()}"

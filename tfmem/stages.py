@@ -39,7 +39,7 @@ from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import Report
+from tfmem.report import NEVER_WORSE_RULE, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +226,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        block too large to find room beside the rest (`Budget.xla_overshoot`), the passes
        run again to a plan scaled down by the overshoot, up to `_REPLANS` times; not when
        the static plan already missed its own target (a tighter one meets the same wall).
+    3. A rewritten program that still does not fit is compared with the program as
+       written (one more XLA compile): where XLA plans less for that, the rewrite is
+       dropped and the program runs as written (`_never_worse_than_written`).
 
     `ask_xla`: skip the first rule (the wrapper asks again so when an unchecked plan ran
     out of memory).
@@ -289,8 +292,58 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             reason=f"planning again came out worse under XLA (overshoot {compiled.xla_overshoot:.3f}): "
                    f"kept the plan with overshoot {best.xla_overshoot:.3f}"))
     # The time of every attempt counts, whichever plan is kept.
-    return dataclasses.replace(best, check_seconds=check_seconds, rewritten=dataclasses.replace(
+    best = dataclasses.replace(best, check_seconds=check_seconds, rewritten=dataclasses.replace(
         best.rewritten, records=records, seconds=rewritten.seconds))
+    return _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
+                                     name=name)
+
+
+def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
+                              args: Sequence[Any], kwargs: Mapping[str, Any], *, input_signature: Any,
+                              name: str) -> Compiled:
+    """`compiled`, or the program as written when XLA plans less for it.
+
+    A rewrite is kept for what it does to XLA's plan, not to the static estimate: where
+    the rewritten program does not fit and XLA plans more for it than for the program as
+    written, the rewrite is dropped and the program runs as written, with XLA's plan of
+    it deciding the verdict. Asking costs one more XLA compile, so it is asked only when
+    the rewritten program does not fit (a program that fits is not worth a compile more).
+
+    Example (a pass that only adds work, under a budget only the program as written fits):
+        >>> compiled = compile_within_budget(traced, Config(memory_budget="16MiB"), args, {},
+        ...                                  passes=[AddsABigProduct()])
+        >>> compiled.rewritten.records[-1].rule
+        'NeverWorseThanWritten'
+    """
+    plan = compiled.checked_plan
+    if plan is None or not compiled.rewritten.modified or budget.fits_xla_plan(
+            plan.total_bytes, plan.largest_bytes, compiled.held_peak):
+        return compiled
+    start = time.perf_counter()
+    as_written = traced.rewrite(config, passes=[], budget=budget).compile(input_signature=input_signature, name=name)
+    written_plan = as_written.xla_plan(*args, **kwargs)
+    check_seconds = compiled.check_seconds + time.perf_counter() - start
+    held_peak = allocator_peak()
+    if written_plan is None or written_plan.total_bytes >= plan.total_bytes:
+        note = RewriteRecord("compile_within_budget", NEVER_WORSE_RULE, "info", kind="plan", reason=(
+            f"kept: XLA plans {format_size(plan.total_bytes)} for the rewritten program"
+            + (f", {format_size(written_plan.total_bytes)} for the program as written" if written_plan else
+               ", and cannot compile the program as written")))
+        return dataclasses.replace(compiled, check_seconds=check_seconds, rewritten=dataclasses.replace(
+            compiled.rewritten, records=(*compiled.rewritten.records, note)))
+    fired = sum(1 for r in compiled.rewritten.records if r.status == "fired")
+    dropped = RewriteRecord("compile_within_budget", NEVER_WORSE_RULE, "rejected", kind="plan", reason=(
+        f"the rewrite is dropped: XLA plans {format_size(plan.total_bytes)} for the rewritten program "
+        f"({fired} rewrites) and {format_size(written_plan.total_bytes)} for the program as written, "
+        "which runs instead"), details={"xla_rewritten_bytes": plan.total_bytes,
+                                        "xla_as_written_bytes": written_plan.total_bytes})
+    rewritten = dataclasses.replace(as_written.rewritten, records=(dropped,),
+                                    seconds=compiled.rewritten.seconds + as_written.rewritten.seconds)
+    return dataclasses.replace(as_written, rewritten=rewritten, checked_plan=written_plan,
+                               xla_overshoot=budget.xla_overshoot(written_plan.total_bytes, written_plan.largest_bytes,
+                                                                  held_peak),
+                               check_seconds=check_seconds, held_peak=held_peak)
+
 
 
 _REPLANS = 2

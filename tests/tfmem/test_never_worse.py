@@ -1,0 +1,69 @@
+"""Never worse than the program as written: a rewrite under which XLA plans more, while the
+rewritten program does not fit, is dropped with its reason, and XLA's plan of the program
+as written decides the verdict (`tfmem.stages._never_worse_than_written`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmem
+from tfmem.graph import Graph
+from tfmem.passes import GraphPass, PassResult, RewriteRecord
+from tfmem.report import NEVER_WORSE_RULE
+
+ROWS, COLS = 3000, 20  # x: 469 KiB; x @ xᵀ: [3000, 3000] float64, 68.7 MiB
+
+
+def column_sums(x):
+    return tf.reduce_sum(tf.sin(x), 0)
+
+
+class AddsABigProduct(GraphPass):
+    """A pass that makes the program worse: `out → out + 0·Σ(x @ xᵀ)` (a whole [n, n] product)."""
+
+    name = "adds_a_big_product"
+    stage = "match_and_replace"
+
+    def run(self, graph: Graph, context) -> PassResult:
+        (x,) = [tfmem.TensorRef(n.name) for n in graph.find("Placeholder")]
+        out = graph.outputs[0]
+        (worse,) = graph.splice(lambda o, v: o + 0.0 * tf.reduce_sum(tf.matmul(v, v, transpose_b=True)),
+                                [out, x], scope="worse")
+        graph.outputs[0] = worse
+        return PassResult(graph, True, [RewriteRecord(self.name, "AddsABigProduct", "fired", (worse.node,))])
+
+
+@pytest.fixture
+def x(rng: np.random.Generator) -> tf.Tensor:
+    return tf.constant(rng.normal(size=(ROWS, COLS)))
+
+
+def test_a_rewrite_xla_plans_more_for_is_dropped_and_the_program_runs_as_written(x) -> None:
+    wrapped = tfmem.TfmemFunction(column_sums, config={"memory_budget": "16MiB"}, passes=[AddsABigProduct()])
+    report = wrapped.report(x)
+    dropped = [r for r in report.rejected if r.rule == NEVER_WORSE_RULE]
+    assert len(dropped) == 1, str(report)
+    assert dropped[0].details["xla_as_written_bytes"] < 2**20 < 64 * 2**20 < dropped[0].details["xla_rewritten_bytes"]
+    assert report.status == "unchanged" and not report.fired
+    assert report.fits and report.xla_bytes_after < 2**20, str(report)
+    assert "the rewrite is dropped" in report.summary() and report.summary().startswith("fits 16.0 MiB")
+    np.testing.assert_allclose(wrapped(x).numpy(), column_sums(x).numpy(), rtol=1e-12)
+
+
+def test_a_rewrite_that_lowers_xlas_plan_is_kept_even_when_it_does_not_fit(x) -> None:
+    # Split into chunks, the product still cannot fit 600 KiB, but XLA plans less for it
+    # than for the program as written: the rewrite stays, and the record says why.
+    def gram_sum(v):
+        return tf.reduce_sum(tf.exp(-tf.matmul(v, v, transpose_b=True)), 0)
+
+    report = tfmem.function(gram_sum, config={"memory_budget": "600KiB"}).report(x)
+    assert report.fits is False and report.status == "rewritten" and report.splits, str(report)
+    (kept,) = [r for r in report.records if r.rule == NEVER_WORSE_RULE]
+    assert kept.status == "info" and kept.reason.startswith("kept: XLA plans"), str(kept)
+
+
+def test_a_program_that_fits_is_not_compiled_again_as_written(x) -> None:
+    report = tfmem.TfmemFunction(column_sums, config={"memory_budget": "1GiB"}, passes=[AddsABigProduct()]).report(x)
+    assert report.fits and report.status == "rewritten"
+    assert not [r for r in report.records if r.rule == NEVER_WORSE_RULE]
