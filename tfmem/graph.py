@@ -288,6 +288,51 @@ class Graph:
     def is_output(self, tensor: TensorRef) -> bool:
         return tensor in self.outputs
 
+    def aliases_input(self, name: str) -> bool:
+        """Whether node `name` only reinterprets its first input's buffer: an op of
+        `ALIASING_OPS`, or a `Transpose` that moves only axes of length 1 (a reshape, which
+        XLA makes a bitcast).
+
+        Example:
+            >>> graph.aliases_input("transpose")   # [10, 300, 1, 3000] → [1, 10, 300, 3000]
+            True
+        """
+        node = self.node(name)
+        if node.op in ALIASING_OPS:
+            return True
+        if node.op != "Transpose":
+            return False
+        shape = self.spec(self.inputs(name)[0]).shape
+        perm = self.constant_value(self.inputs(name)[1])
+        if perm is None or shape.rank is None:
+            return False
+        moved = [axis for axis in (int(p) for p in np.asarray(perm).reshape(-1)) if shape[axis] != 1]
+        return moved == sorted(moved)  # the axes longer than 1 keep their order
+
+    def is_returned(self, tensor: TensorRef) -> bool:
+        """Whether the graph returns `tensor`'s buffer: as an output, or only through ops
+        that reinterpret it (`aliases_input`: an `Identity`, a `Reshape`, ...). Such a
+        tensor is held whole at the end whatever computes it.
+
+        Example:
+            >>> graph.is_returned(TensorRef("cov"))    # returned as cov[None]
+            True
+        """
+        seen: set[TensorRef] = set()
+        pending = [tensor]
+        while pending:
+            ref = pending.pop()
+            if ref in seen:
+                continue
+            seen.add(ref)
+            if self.is_output(ref):
+                continue
+            readers = self.consumers(ref)
+            if not readers or not all(self.aliases_input(name) for name, _ in readers):
+                return False
+            pending.extend(TensorRef(name) for name, _ in readers)
+        return True
+
     def output_specs(self, name: str) -> list[tf.TensorSpec]:
         """The static dtype and shape of each output of a node."""
         if name not in self._specs:

@@ -24,7 +24,7 @@ from tensorflow.core.framework import graph_pb2
 
 from tfmem.config import format_size
 from tfmem.errors import first_line
-from tfmem.graph import ALIASING_OPS, Graph, TensorRef, function_tensor_node, keep_functions_alive
+from tfmem.graph import Graph, TensorRef, function_tensor_node, keep_functions_alive
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class _Estimator:
             passed = while_passthrough(graph, name)
             for index in range(len(graph.output_specs(name))):
                 ref = TensorRef(name, index)
-                if node.op in ALIASING_OPS and inputs or index in passed:
+                if graph.aliases_input(name) and inputs or index in passed:
                     source = inputs[passed.get(index, index if node.op == "IdentityN" else 0)]
                     buffer_of[ref] = buffer_of[source]
                     continue
@@ -260,7 +260,7 @@ class _Estimator:
         graph = self.graph
         base = graph.topological_order()
         readers = {n: len(graph.node_consumers(n)) for n in base}
-        out_bytes = {n: 0 if graph.node(n).op in RESIDENT_OPS | ALIASING_OPS else
+        out_bytes = {n: 0 if graph.node(n).op in RESIDENT_OPS or graph.aliases_input(n) else
                      sum(self._bytes(TensorRef(n, i)) for i in range(len(graph.output_specs(n))))
                      for n in base}
         unscheduled = set(base)
@@ -465,11 +465,22 @@ class XlaPlan:
             (`xla_live_at_peak`); None when the proto has no trace. Its `peak_bytes` is
             close to `largest_bytes`, not equal: XLA packs buffers into the block by size,
             not by time (gaps), and a loop's state is traced beside the buffers it aliases.
+        temp_bytes: the block of temporaries (the largest allocation that is not an output);
+            None: not recorded (a plan file of an older format), then `largest_bytes`.
+        output_bytes: the allocations of the call's outputs. XLA asks for them before its
+            block of temporaries (a program whose output is a big matrix allocates it apart).
     """
 
     total_bytes: int
     largest_bytes: int
     peak: MemoryEstimate | None = dataclasses.field(default=None, compare=False)
+    temp_bytes: int | None = None
+    output_bytes: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """The block the call allocates last, which must find room in one piece."""
+        return self.largest_bytes if self.temp_bytes is None else self.temp_bytes
 
 
 # XLA's PrimitiveType names → TensorFlow's dtype names, for the live set in words.
@@ -553,13 +564,15 @@ def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:
     proto = hlo_pb2.HloProto()
     proto.ParseFromString(serialized)
     allocations = proto.buffer_assignment.buffer_allocations
-    own = [a.size for a in allocations if not (a.is_entry_computation_parameter or a.is_constant)]
+    own = [a for a in allocations if not (a.is_entry_computation_parameter or a.is_constant)]
     try:
         peak = xla_live_at_peak(proto)
     except Exception as err:  # a proto layout we do not know: the sizes still stand
         logger.debug("XLA's live set at its peak unavailable: %s", first_line(err))
         peak = None
-    return XlaPlan(sum(a.size for a in allocations), max(own, default=0), peak)
+    return XlaPlan(sum(a.size for a in allocations), max((a.size for a in own), default=0), peak,
+                   temp_bytes=max((a.size for a in own if not a.maybe_live_out), default=0),
+                   output_bytes=sum(a.size for a in own if a.maybe_live_out))
 
 
 def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:

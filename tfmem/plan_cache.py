@@ -40,7 +40,7 @@ from tfmem.passes import RewriteRecord, collector_paused
 logger = logging.getLogger(__name__)
 
 # Bumped whenever what a plan file holds, or what it means, changes.
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,8 @@ class PlanCache:
             "pass_seconds": dict(rewritten.pass_seconds),
             "xla": {"total_bytes": plan.total_bytes if plan is not None else None,
                     "largest_bytes": plan.largest_bytes if plan is not None else None,
+                    "temp_bytes": plan.temp_bytes if plan is not None else None,
+                    "output_bytes": plan.output_bytes if plan is not None else None,
                     "overshoot": compiled.xla_overshoot, "held_peak": compiled.held_peak},
         }
         os.makedirs(self.directory, exist_ok=True)
@@ -134,5 +136,8 @@ def checked_plan(xla: dict[str, Any]) -> tuple[XlaPlan | None, float | None, int
     them ((None, None, 0): XLA was not asked)."""
     if xla.get("total_bytes") is None:
         return None, None, 0
-    return (XlaPlan(int(xla["total_bytes"]), int(xla["largest_bytes"])), xla.get("overshoot"),
+    temp = xla.get("temp_bytes")
+    return (XlaPlan(int(xla["total_bytes"]), int(xla["largest_bytes"]), temp_bytes=None if temp is None else int(temp),
+                    output_bytes=int(xla.get("output_bytes") or 0)),
+            xla.get("overshoot"),
             int(xla.get("held_peak") or 0))

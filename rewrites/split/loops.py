@@ -168,17 +168,45 @@ class _Combiner:
         return acc[1:] if self.kind in ("argmax", "argmin") else acc
 
 
+def written_out(graph: Graph, region: SliceRegion, max_write_out: int, *,
+                assemble_returned: bool = True) -> list[TensorRef]:
+    """The split tensors a loop of `region` assembles whole for readers outside it: those
+    of at most `max_write_out` bytes, and (with `assemble_returned`) what the program
+    returns, which is held whole anyway."""
+    return [ref for ref in region.write_outs(graph)
+            if (graph.nbytes(ref) or 0) <= max_write_out or assemble_returned and graph.is_returned(ref)]
+
+
+def even_chunk(size: int, chunk: int) -> int:
+    """`chunk`, or the largest divisor of `size` at most a quarter below it.
+
+    A loop whose chunks do not divide its length computes a remainder chunk after the
+    others, and joins what it writes out to theirs with a copy of the whole tensor.
+
+    Example:
+        >>> even_chunk(3000, 314), even_chunk(3001, 314)
+        (300, 314)
+    """
+    if chunk >= size:
+        return chunk  # one trip: no remainder
+    for candidate in range(chunk, max(1, -(-3 * chunk // 4)) - 1, -1):
+        if size % candidate == 0:
+            return candidate
+    return chunk
+
+
 def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: int,
-              scope: str = "tfmem_split") -> dict[TensorRef, TensorRef]:
+              assemble_returned: bool = True, scope: str = "tfmem_split") -> dict[TensorRef, TensorRef]:
     """Adds a loop computing `region` in chunks of `chunk`; returns original → new tensors.
 
     Split tensors read outside the region are assembled whole only up to `max_write_out`
-    bytes; larger ones are left to their original ops (and so to a later loop that can
-    recompute them chunk by chunk), never materialised here. The caller rewires readers
-    with `Graph.replace_all_uses` and prunes the originals.
+    bytes, or when the program returns them (`written_out`); larger ones are left to their
+    original ops (and so to a later loop that can recompute them chunk by chunk), never
+    materialised here. The caller rewires readers with `Graph.replace_all_uses` and prunes
+    the originals.
     """
     feeds = region.feeds(graph)
-    write_outs = [ref for ref in region.write_outs(graph) if (graph.nbytes(ref) or 0) <= max_write_out]
+    write_outs = written_out(graph, region, max_write_out, assemble_returned=assemble_returned)
     out_axes = [region.axes[ref] for ref in write_outs]
     sink_names = list(region.sinks)
     combiners = {name: _Combiner(graph, region, name) for name in sink_names}

@@ -35,7 +35,7 @@ from tfmem.passes import RewriteRecord
 
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
 from rewrites.split.diagonals import lower_diagonals
-from rewrites.split.loops import emit_loop
+from rewrites.split.loops import emit_loop, even_chunk, written_out
 from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
 from rewrites.split.sink import WHILE_OPS, invariant_slots, loop_invariant, read_through_loops, sink_invariant
@@ -105,7 +105,7 @@ class Planner:
 
     @classmethod
     def within(cls, pass_name: str, graph: Graph, target: int, threshold: int | None,
-               split_size: int | None) -> tuple[Planner, PlanVerdict]:
+               split_size: int | None, *, loop_body: bool = False) -> tuple[Planner, PlanVerdict]:
         """Splits `graph` in place by `threshold` (if any), then until its static peak is at
         most `target` bytes; the planner (whose graph is the result) and its verdict.
 
@@ -114,11 +114,11 @@ class Planner:
         the graph as it was, and keeps whichever plan has the lower peak.
         """
         before = graph.copy() if threshold is not None else None
-        planner = cls(pass_name, graph)
+        planner = cls(pass_name, graph, loop_body=loop_body)
         verdict = planner._fit(target, threshold, split_size)
         if before is None or verdict.fits:
             return planner, verdict
-        alone = cls(pass_name, before)
+        alone = cls(pass_name, before, loop_body=loop_body)
         alone_verdict = alone._fit(target, None, split_size)
         if alone_verdict.peak_bytes >= verdict.peak_bytes:
             return planner, verdict
@@ -141,9 +141,12 @@ class Planner:
             self.split_all(target // _SURELY_SPLIT_SHARE, min(split_size or target, target // _FIRST_BODY_SHARE))
         return self.fit_budget(target, split_size)
 
-    def __init__(self, pass_name: str, graph: Graph) -> None:
+    def __init__(self, pass_name: str, graph: Graph, *, loop_body: bool = False) -> None:
         self.pass_name = pass_name
         self.graph = graph
+        # A program's outputs are held whole at its end, so a loop may assemble one from its
+        # chunks; a loop body's outputs are its next trip's state, assembled on every trip.
+        self.assemble_returned = not loop_body
         self.records: list[RewriteRecord] = []
         self.loops: list[Loop] = []
         self.given_up: set[TensorRef] = set()
@@ -158,10 +161,14 @@ class Planner:
         before = estimate_memory(graph).peak_bytes
         checkpoint = self._checkpoint()
         while len(self.loops) < _MAX_LOOPS:
-            seed = _largest_computed(graph, threshold, self.given_up)
+            seed = _largest_computed(graph, threshold, self.given_up, skip_returned=self.assemble_returned)
             if seed is None:
                 break
-            region, reason = best_region(graph, seed, threshold, split_size)
+            if self._loop_running(seed.node) is not None:
+                self.given_up.add(seed)  # a loop's own assembly of what it writes out
+                continue
+            region, reason = best_region(graph, seed, threshold, split_size,
+                                         assemble_returned=self.assemble_returned)
             if region is None or tuple(region.nodes) in self.seen_regions:
                 self.given_up.add(seed)
                 if region is None:
@@ -248,7 +255,10 @@ class Planner:
         over = estimate.peak_bytes - plan
         for live in estimate.live_at_peak:
             seed = TensorRef.parse(live.name)
-            if graph.node(seed.node).op in GRAPH_INPUT_OPS:
+            # What the program returns is held whole whatever computes it: its producers
+            # may be split (and write it out), never the tensor itself.
+            if graph.node(seed.node).op in GRAPH_INPUT_OPS or self._loop_running(seed.node) is not None \
+                    or self.assemble_returned and graph.is_returned(seed):
                 continue
             if live.nbytes * _WORTH_SPLITTING < min(over, chunk_budget):
                 break  # largest first: what is left is too small to matter (or to split)
@@ -263,7 +273,8 @@ class Planner:
             if sunk is not None:
                 return sunk  # its readers outside the loops (if any) are split next
             self.given_up.add(seed)
-            region, reason = best_region(graph, seed, live.nbytes - 1, chunk_budget)
+            region, reason = best_region(graph, seed, live.nbytes - 1, chunk_budget,
+                                         assemble_returned=self.assemble_returned)
             if region is None:
                 self._reject(seed, reason)
                 continue
@@ -322,13 +333,14 @@ class Planner:
 
             def plan_body(body: Graph, loop: str = loop, outside: int = outside) -> list[RewriteRecord]:
                 if plan is None:  # by threshold alone, as the program around it
-                    inner = Planner(self.pass_name, body)
+                    inner = Planner(self.pass_name, body, loop_body=True)
                     inner.split_all(threshold or nbytes, split_size or threshold or nbytes)
                     verdict = PlanVerdict(True, estimate_memory(body).peak_bytes, 0)
                 else:
                     arguments = sum(body.nbytes(TensorRef(p.name)) or 0 for p in body.find("Placeholder"))
                     body_plan = max(plan // _SUNK_BODY_FLOOR, int((plan - outside) * _CHUNK_MARGIN) + arguments)
-                    inner, verdict = Planner.within(self.pass_name, body, body_plan, None, split_size)
+                    inner, verdict = Planner.within(self.pass_name, body, body_plan, None, split_size,
+                                                    loop_body=True)
                 body.assign(inner.graph)
                 body_verdicts[loop] = verdict
                 return [dataclasses.replace(r, details={**r.details, "in_loop": loop})
@@ -512,7 +524,10 @@ class Planner:
         constants = [f.ref.node for f in region.feeds(graph) if graph.node(f.ref.node).op == "Const"]
         saved = tuple(_copy(graph.node(name)) for name in dict.fromkeys([*region.nodes, *constants]))
         per_unit = region.per_unit_bytes(graph)
-        replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out, scope=scope)
+        if written_out(graph, region, max_write_out, assemble_returned=self.assemble_returned):
+            chunk = even_chunk(region.size, chunk)
+        replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out,
+                             assemble_returned=self.assemble_returned, scope=scope)
         for old, new in replaced.items():
             graph.replace_all_uses(old, new)
         graph.prune()
@@ -525,8 +540,11 @@ class Planner:
         """The same region as a loop in chunks of `chunk` (undo, then emit again)."""
         graph = self.graph
         self._retract(loop)
-        replaced = emit_loop(graph, loop.region, chunk, max_write_out=_max_write_out(graph, loop),
-                             scope=loop.scope)
+        max_write_out = _max_write_out(graph, loop)
+        if written_out(graph, loop.region, max_write_out, assemble_returned=self.assemble_returned):
+            chunk = even_chunk(loop.region.size, chunk)
+        replaced = emit_loop(graph, loop.region, chunk, max_write_out=max_write_out,
+                             assemble_returned=self.assemble_returned, scope=loop.scope)
         for old, new in replaced.items():
             graph.replace_all_uses(old, new)
         graph.prune()
@@ -612,7 +630,8 @@ def _max_write_out(graph: Graph, loop: Loop) -> int:
     return max((graph.nbytes(ref) or 0 for ref in written), default=0)
 
 
-def _largest_computed(graph: Graph, threshold: int, skip: set[TensorRef]) -> TensorRef | None:
+def _largest_computed(graph: Graph, threshold: int, skip: set[TensorRef], *,
+                      skip_returned: bool) -> TensorRef | None:
     best, best_bytes = None, threshold
     for node in graph.nodes:
         if node.op in GRAPH_INPUT_OPS:
@@ -620,13 +639,18 @@ def _largest_computed(graph: Graph, threshold: int, skip: set[TensorRef]) -> Ten
         for index in range(len(graph.output_specs(node.name))):
             ref = TensorRef(node.name, index)
             nbytes = graph.nbytes(ref) or 0
-            if nbytes > best_bytes and ref not in skip:
+            if nbytes > best_bytes and ref not in skip and not (skip_returned and graph.is_returned(ref)):
                 best, best_bytes = ref, nbytes
     return best
 
 
-def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) -> tuple[SliceRegion | None, str]:
-    """The region around `seed` that leaves fewest tensors over `threshold` whole, or why none works."""
+def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int, *,
+                assemble_returned: bool = True) -> tuple[SliceRegion | None, str]:
+    """The region around `seed` that leaves fewest tensors over `threshold` whole, or why none works.
+
+    `assemble_returned`: a tensor the program returns may be written out whatever its size
+    (not in a loop body: see `Planner.assemble_returned`).
+    """
     spec = graph.spec(seed)
     reasons = []
     best, best_score = None, None
@@ -644,7 +668,9 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int) 
             reasons.append(f"axis {axis}: a single slice is {region.per_unit_bytes(graph)} bytes, over the "
                            f"split size {split_size} (splitting two axes at once is not supported)")
             continue
-        oversized_out = [r for r in region.write_outs(graph) if (graph.nbytes(r) or 0) > threshold]
+        # What the program returns is held whole anyway: the loop may assemble it.
+        oversized_out = [r for r in region.write_outs(graph)
+                         if (graph.nbytes(r) or 0) > threshold and not (assemble_returned and graph.is_returned(r))]
         if seed in oversized_out:
             why = region.boundaries.get(seed, "a reader needs it whole")
             reasons.append(f"axis {axis}: {why}")

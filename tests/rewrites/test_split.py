@@ -365,3 +365,11 @@ def test_order_free_loops_start_from_a_chunk_not_a_filled_accumulator(n: int, rn
     got, want = wrapped(x, y, v), fn(x, y, v)
     assert _relative_error(got[0], want[0]) <= 1e-12
     np.testing.assert_array_equal(got[1].numpy(), want[1].numpy())
+
+
+@pytest.mark.parametrize("size, chunk, even", [(3000, 314, 300), (3001, 314, 314), (1500, 750, 750),
+                                               (1000, 7, 7), (1000, 9, 8), (12, 100, 100)])
+def test_even_chunk_divides_the_length_when_a_quarter_smaller_does(size, chunk, even) -> None:
+    from rewrites.split.loops import even_chunk
+
+    assert even_chunk(size, chunk) == even

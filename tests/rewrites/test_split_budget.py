@@ -321,3 +321,29 @@ def test_every_split_the_report_names_is_a_loop_in_the_rewritten_graph(program, 
             f"{scope} is reported but not in the graph:\n{report}")
     if program is not kernel_times:  # the Cholesky's input is the region that keeps nothing
         assert any("its loop would keep nothing it computes" in r.reason for r in report.rejected), str(report)
+
+
+def returned_covariance(x, z):
+    """A covariance the program returns whole: Kxx − (XZᵀ)(XZᵀ)ᵀ / 100, as [1, n, n]."""
+    sq = tf.reduce_sum(tf.square(x), -1)
+    kxx = tf.exp(-0.5 * (sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True)))  # [n, n]
+    a = tf.matmul(x, z, transpose_b=True)  # [n, m]
+    return (kxx - tf.matmul(a, a, transpose_b=True) / 100.0)[None]
+
+
+def test_a_loop_assembles_what_the_program_returns_and_avoids_the_rest(rng) -> None:
+    # What the program returns is held whole anyway: the loop that computes it in chunks
+    # writes it out, and the [n, n] tensors before it are never whole. (The output is
+    # allocated before the block of temporaries, in a region of up to twice its size: a
+    # budget of three outputs leaves the block room; stock XLA plans all three.)
+    x, z = tf.constant(rng.normal(size=(N, 3))), tf.constant(rng.normal(size=(50, 3)))
+    whole = N * N * 8
+    stock = tf.function(returned_covariance, jit_compile=True)
+    assert tfmem.xla_planned_bytes(stock, x, z) > 2.9 * whole
+    wrapped = tfmem.function(returned_covariance, config={"memory_budget": f"{3 * whole}B"})
+    report = wrapped.report(x, z)
+    assert report.fits and len(report.splits) == 1, str(report)
+    assert report.xla_bytes_after < 1.5 * whole, str(report)  # the output and a block of chunks
+    (split,) = report.splits
+    assert N % split.details["chunk"] == 0  # no remainder chunk to join with a copy of the output
+    np.testing.assert_allclose(wrapped(x, z).numpy(), stock(x, z).numpy(), rtol=1e-12, atol=1e-14)

@@ -138,3 +138,23 @@ def test_only_the_graph_view_parses_graphdef_input_strings() -> None:
                  for path in sorted((repo / package).rglob("*.py")) if path.name != "graph.py"
                  for number, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
     assert not offenders, offenders
+
+
+def _returned_through_views(x):
+    square = tf.matmul(x, x, transpose_b=True)              # [4, 4]
+    moved = tf.transpose(square[None], [1, 0, 2])           # [4, 1, 4]: only the unit axis moves
+    flipped = tf.transpose(square)                           # a real transpose
+    return tf.reshape(moved, [16]), flipped + 1.0
+
+
+def test_views_and_returned_tensors() -> None:
+    graph, _ = traced(_returned_through_views, tf.TensorSpec([4, 5], tf.float32))
+    (product,) = list(graph.find("MatMul"))
+    transposes = {tuple(graph.spec(TensorRef(n.name)).shape.as_list()): n.name for n in graph.find("Transpose")}
+    assert graph.aliases_input(transposes[(4, 1, 4)]) and not graph.aliases_input(transposes[(4, 4)])
+    assert graph.aliases_input(next(n.name for n in graph.find("Reshape")))
+    assert not graph.aliases_input(product.name)
+    # Returned through a reshape: held whole at the end; the product is also read by a real
+    # transpose, so it is not.
+    assert graph.is_returned(TensorRef(transposes[(4, 1, 4)]))
+    assert not graph.is_returned(TensorRef(product.name))
