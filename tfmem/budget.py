@@ -51,9 +51,12 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfmem.config import Config, format_size
+
+if TYPE_CHECKING:  # the plan's type only: tfmem.memory needs no budget
+    from tfmem.memory import XlaPlan
 
 # Share of a GPU's allocator limit that tfmem plans for (see the module docstring).
 GPU_SAFETY_FRACTION = 0.9
@@ -176,6 +179,15 @@ class Budget:
         """
         return self.xla_overshoot(total_bytes, largest_bytes, held_peak, other_bytes=other_bytes,
                                   limit=self.nbytes) <= 1
+
+    def plan_overshoot(self, plan: XlaPlan, held_peak: int = 0) -> float:
+        """`xla_overshoot` of a plan XLA made: its block of temporaries, allocated after its
+        outputs, must find room beside them."""
+        return self.xla_overshoot(plan.total_bytes, plan.block_bytes, held_peak, other_bytes=plan.output_bytes)
+
+    def fits_plan(self, plan: XlaPlan, held_peak: int = 0) -> bool:
+        """`fits_xla_plan` of a plan XLA made (its block after its outputs)."""
+        return self.fits_xla_plan(plan.total_bytes, plan.block_bytes, held_peak, other_bytes=plan.output_bytes)
 
     @property
     def origin(self) -> str:

@@ -243,8 +243,7 @@ class Report:
         # (a plan compiled without asking XLA passed `fits_unchecked`, stricter than this).
         plan = self.compiled.checked_plan if self.compiled is not None else None
         if plan is not None and self.config.jit_compile:
-            return self.budget.fits_xla_plan(plan.total_bytes, plan.block_bytes, self.compiled.held_peak,
-                                             other_bytes=plan.output_bytes)
+            return self.budget.fits_plan(plan, self.compiled.held_peak)
         if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
             return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
         return self.budget.fits_estimate(self.memory_after.peak_bytes)

@@ -258,8 +258,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         held_peak = allocator_peak()
         if planned is None:
             return dataclasses.replace(compiled, check_seconds=check_seconds)
-        overshoot = budget.xla_overshoot(planned.total_bytes, planned.block_bytes, held_peak,
-                                         other_bytes=planned.output_bytes)
+        overshoot = budget.plan_overshoot(planned, held_peak)
         compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,
                                        check_seconds=check_seconds, held_peak=held_peak)
         if best is None or overshoot < best.xla_overshoot:
@@ -318,8 +317,7 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
     instead`.
     """
     plan = compiled.checked_plan
-    if plan is None or not compiled.rewritten.modified or budget.fits_xla_plan(
-            plan.total_bytes, plan.block_bytes, compiled.held_peak, other_bytes=plan.output_bytes):
+    if plan is None or not compiled.rewritten.modified or budget.fits_plan(plan, compiled.held_peak):
         return compiled
     start = time.perf_counter()
     as_written = traced.rewrite(config, passes=[], budget=budget).compile(input_signature=input_signature, name=name)
@@ -342,11 +340,8 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
     rewritten = dataclasses.replace(as_written.rewritten, records=(dropped,),
                                     seconds=compiled.rewritten.seconds + as_written.rewritten.seconds)
     return dataclasses.replace(as_written, rewritten=rewritten, checked_plan=written_plan,
-                               xla_overshoot=budget.xla_overshoot(
-                                   written_plan.total_bytes, written_plan.block_bytes, held_peak,
-                                   other_bytes=written_plan.output_bytes),
+                               xla_overshoot=budget.plan_overshoot(written_plan, held_peak),
                                check_seconds=check_seconds, held_peak=held_peak)
-
 
 
 _REPLANS = 2
