@@ -330,7 +330,9 @@ class Graph:
             readers = self.consumers(ref)
             if not readers or not all(self.aliases_input(name) for name, _ in readers):
                 return False
-            pending.extend(TensorRef(name) for name, _ in readers)
+            # IdentityN hands input i through as output i; the other views have one output.
+            pending.extend(TensorRef(name, position if self.node(name).op == "IdentityN" else 0)
+                           for name, position in readers)
         return True
 
     def output_specs(self, name: str) -> list[tf.TensorSpec]:
