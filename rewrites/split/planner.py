@@ -256,7 +256,8 @@ class Planner:
         for live in estimate.live_at_peak:
             seed = TensorRef.parse(live.name)
             # What the program returns is held whole whatever computes it: its producers
-            # may be split (and write it out), never the tensor itself.
+            # may be split (and write it out), never the tensor itself, nor a loop's own
+            # assembly of what it writes out.
             if graph.node(seed.node).op in GRAPH_INPUT_OPS or self._loop_running(seed.node) is not None \
                     or self.assemble_returned and graph.is_returned(seed):
                 continue
@@ -524,13 +525,7 @@ class Planner:
         constants = [f.ref.node for f in region.feeds(graph) if graph.node(f.ref.node).op == "Const"]
         saved = tuple(_copy(graph.node(name)) for name in dict.fromkeys([*region.nodes, *constants]))
         per_unit = region.per_unit_bytes(graph)
-        if written_out(graph, region, max_write_out, assemble_returned=self.assemble_returned):
-            chunk = even_chunk(region.size, chunk)
-        replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out,
-                             assemble_returned=self.assemble_returned, scope=scope)
-        for old, new in replaced.items():
-            graph.replace_all_uses(old, new)
-        graph.prune()
+        chunk, replaced = self._loop_in_place(region, chunk, max_write_out, scope)
         loop = Loop(scope, region, chunk, per_unit, saved, tuple(replaced.items()), len(self.records))
         self.records.append(self._split_record(loop))
         self.loops.append(loop)
@@ -540,18 +535,25 @@ class Planner:
         """The same region as a loop in chunks of `chunk` (undo, then emit again)."""
         graph = self.graph
         self._retract(loop)
-        max_write_out = _max_write_out(graph, loop)
-        if written_out(graph, loop.region, max_write_out, assemble_returned=self.assemble_returned):
-            chunk = even_chunk(loop.region.size, chunk)
-        replaced = emit_loop(graph, loop.region, chunk, max_write_out=max_write_out,
-                             assemble_returned=self.assemble_returned, scope=loop.scope)
-        for old, new in replaced.items():
-            graph.replace_all_uses(old, new)
-        graph.prune()
+        chunk, replaced = self._loop_in_place(loop.region, chunk, _max_write_out(graph, loop), loop.scope)
         new = dataclasses.replace(loop, chunk=chunk, replaced=tuple(replaced.items()))
         self.loops[self.loops.index(loop)] = new
         self.records[loop.record] = self._split_record(new)
         return new
+
+    def _loop_in_place(self, region: SliceRegion, chunk: int, max_write_out: int,
+                       scope: str) -> tuple[int, dict[TensorRef, TensorRef]]:
+        """Emits `region`'s loop and rewires its readers to it; the chunk length it took
+        (one that divides the length, when it writes out: `even_chunk`) and what it replaced."""
+        graph = self.graph
+        if written_out(graph, region, max_write_out, assemble_returned=self.assemble_returned):
+            chunk = even_chunk(region.size, chunk)
+        replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out,
+                             assemble_returned=self.assemble_returned, scope=scope)
+        for old, new in replaced.items():
+            graph.replace_all_uses(old, new)
+        graph.prune()
+        return chunk, replaced
 
     def _try_rechunk(self, loop: Loop, chunk: int) -> MemoryEstimate | None:
         """Re-chunks and estimates; None if the region could not be restored (roll back)."""
