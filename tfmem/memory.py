@@ -462,9 +462,8 @@ class XlaPlan:
             allocator (TensorFlow's BFC with growth, as on the CPU) needs that block in one
             piece beside the regions it already holds: see `Budget.xla_overshoot`.
         peak: what XLA itself keeps alive at its peak, from its heap simulator's trace
-            (`xla_live_at_peak`); None when the proto has no trace. Its `peak_bytes` is
-            close to `largest_bytes`, not equal: XLA packs buffers into the block by size,
-            not by time (gaps), and a loop's state is traced beside the buffers it aliases.
+            (`xla_live_at_peak`); None when the proto has no trace. Its `peak_bytes` is at
+            most the block's: the rest of the block is gaps XLA's packing left.
         temp_bytes: the block of temporaries (the largest allocation that is not an output);
             None: not recorded (a plan file of an older format), then `largest_bytes`.
         output_bytes: the allocations of the call's outputs. XLA asks for them before its
@@ -492,12 +491,15 @@ _XLA_DTYPES = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S6
 def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
     """XLA's own live set at its peak, from the heap simulator trace of its buffer assignment.
 
-    The trace lists every buffer's allocation and release in XLA's schedule; the peak is
-    where the live bytes are largest. Each live buffer is named by the TensorFlow op it
-    came from (XLA keeps it as `op_name` metadata: `function/node`), or by its HLO
-    instruction where XLA made it up itself (the blocks of a triangular solve). The
-    result reads like tfmem's own estimate (`MemoryEstimate.in_words`): it is what
-    tfmem's estimate is trying to predict.
+    The trace lists every buffer's allocation and release in XLA's schedule. A buffer is
+    counted by the bytes XLA placed it in (its allocation and offset): buffers that share
+    them — a loop's state and the value its body writes back, an in-place update, a
+    bitcast — are one piece of memory, counted once and named by the latest of them. So
+    the peak is what the packed block must hold at once (never more than the block), and
+    where it is. Each live buffer is named by the TensorFlow op it came from (XLA keeps
+    it as `op_name` metadata: `function/node`), or by its HLO instruction where XLA made
+    it up itself (the blocks of a triangular solve). The result reads like tfmem's own
+    estimate (`MemoryEstimate.in_words`): it is what tfmem's estimate is trying to predict.
 
     Example:
         >>> plan = xla_plan(tf.function(lambda x: tf.linalg.cholesky(x @ tf.transpose(x)), jit_compile=True),
@@ -512,35 +514,41 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
     if not traces:
         return None
     buffers = {b.id: b for b in assignment.logical_buffers}
+    # Where each buffer lives: (allocation, offset) and its size there.
+    placed = {assigned.logical_buffer_id: ((allocation.index, assigned.offset), assigned.size)
+              for allocation in assignment.buffer_allocations for assigned in allocation.assigned}
     instructions = {i.id: i for c in proto.hlo_module.computations for i in c.instructions}
+    op_names = _op_names(proto)
     best: tuple[int, str, list[tuple[int, int]]] | None = None
     for trace in traces:
-        # A SHARE_WITH buffer reuses another's memory (an in-place update): the memory is
-        # held until the last buffer sharing it is freed, and named by the latest of them.
-        owner: dict[int, int] = {}  # live buffer → the buffer whose memory it uses
-        sharing: dict[int, list[int]] = {}  # memory (its first buffer) → live buffers in it
+        at: dict[Any, list[int]] = {}  # a place in memory → the live buffers in it, oldest first
+        size: dict[Any, int] = {}
         current = 0
         for event in trace.events:
             buffer = event.buffer_id
-            if event.kind == event.SHARE_WITH and event.share_with_canonical_id in owner:
-                owner[buffer] = owner[event.share_with_canonical_id]
-                sharing[owner[buffer]].append(buffer)
-            elif event.kind in (event.ALLOC, event.SHARE_WITH):  # (sharing a freed buffer's memory
-                owner[buffer], sharing[buffer] = buffer, [buffer]  # allocates it again)
-                current += buffers[buffer].size
-            elif event.kind == event.FREE and buffer in owner:
-                memory = owner.pop(buffer)
-                sharing[memory].remove(buffer)
-                if not sharing[memory]:
-                    del sharing[memory]
-                    current -= buffers[memory].size
+            place, nbytes = placed.get(buffer, (("unplaced", buffer), buffers[buffer].size))
+            members = at.get(place)
+            if event.kind in (event.ALLOC, event.SHARE_WITH):
+                if members is None:
+                    at[place], size[place] = [buffer], nbytes
+                    current += nbytes
+                elif buffer not in members:
+                    members.append(buffer)
+                    if nbytes > size[place]:
+                        current += nbytes - size[place]
+                        size[place] = nbytes
+            elif event.kind == event.FREE and members is not None and buffer in members:
+                members.remove(buffer)
+                if not members:
+                    del at[place]
+                    current -= size.pop(place)
             if best is None or current > best[0]:
-                best = (current, event.instruction_name, [(members[-1], memory) for memory, members in sharing.items()])
+                best = (current, event.instruction_name, [(members[-1], size[place]) for place, members in at.items()])
     assert best is not None
     peak_bytes, peak_instruction, live_ids = best
 
-    def described(buffer_id: int, memory: int) -> LiveTensor:
-        buffer, nbytes = buffers[buffer_id], buffers[memory].size
+    def described(buffer_id: int, nbytes: int) -> LiveTensor:
+        buffer = buffers[buffer_id]
         instruction = instructions.get(buffer.defined_at.instruction_id)
         if instruction is None:
             return LiveTensor(f"buffer {buffer_id}", nbytes, (), "")
@@ -548,13 +556,40 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
         for index in buffer.defined_at.shape_index:
             shape = shape.tuple_shapes[index]
         dtype = _XLA_DTYPES.get(xla_data_pb2.PrimitiveType.Name(shape.element_type), "")
-        name = instruction.metadata.op_name or f"XLA's {instruction.name}"
-        return LiveTensor(name, nbytes, tuple(shape.dimensions), dtype, instruction.opcode)
+        return LiveTensor(op_names.get(instruction.id, f"XLA's {instruction.name}"), nbytes,
+                          tuple(shape.dimensions), dtype, instruction.opcode)
 
-    live_at_peak = sorted((described(b, memory) for b, memory in live_ids), key=lambda t: (-t.nbytes, t.name))
-    peak_node = next((i.metadata.op_name for i in instructions.values()
-                      if i.name == peak_instruction and i.metadata.op_name), peak_instruction)
+    live_at_peak = sorted((described(b, nbytes) for b, nbytes in live_ids), key=lambda t: (-t.nbytes, t.name))
+    peak_node = next((op_names[i.id] for i in instructions.values() if i.name == peak_instruction and i.id in op_names),
+                     peak_instruction)
     return MemoryEstimate(peak_bytes, peak_node, tuple(live_at_peak))
+
+
+def _op_names(proto: Any) -> dict[int, str]:
+    """The TensorFlow op each HLO instruction came from, by instruction id: its own
+    `op_name` metadata, or for what XLA made up inside a computation it expanded an op
+    into (a triangular solve's blocks), that of the instruction calling the computation,
+    as `op (XLA's instruction)`."""
+    caller: dict[int, str] = {}  # computation id → the op_name of an instruction calling it
+    computations = list(proto.hlo_module.computations)
+    for _ in range(8):  # computations call computations: a few rounds reach the nested ones
+        changed = False
+        for computation in computations:
+            for instruction in computation.instructions:
+                name = instruction.metadata.op_name or caller.get(computation.id)
+                for called in instruction.called_computation_ids:
+                    if name and called not in caller:
+                        caller[called], changed = name, True
+        if not changed:
+            break
+    names: dict[int, str] = {}
+    for computation in computations:
+        for instruction in computation.instructions:
+            if instruction.metadata.op_name:
+                names[instruction.id] = instruction.metadata.op_name
+            elif computation.id in caller:
+                names[instruction.id] = f"{caller[computation.id]} (XLA's {instruction.name})"
+    return names
 
 
 def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:

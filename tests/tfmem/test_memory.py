@@ -105,6 +105,42 @@ def test_xlas_live_set_at_its_peak_names_the_tensorflow_ops_it_keeps() -> None:
     assert "2 whole float32[1000, 1000]" in peak.in_words()
 
 
+def test_xlas_peak_counts_a_loop_state_updated_in_place_once() -> None:
+    # acc += x_c x_cᵀ in a loop: the loop's state, the value its body writes back and the
+    # loop's result are one [600, 600] buffer in XLA's block (its in-place update).
+    def gram_by_chunks(x: tf.Tensor, lower: tf.Tensor) -> tf.Tensor:
+        def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            chunk = tf.linalg.triangular_solve(lower, tf.slice(x, [0, i * 100], [600, 100]), name="solved")
+            return i + 1, acc + tf.matmul(chunk, chunk, transpose_b=True)
+        _, gram = tf.while_loop(lambda i, _: i < 6, body, [0, tf.zeros([600, 600], tf.float64)])
+        return tf.reduce_sum(tf.exp(gram), 0)
+
+    lower = tf.linalg.cholesky(tf.eye(600, dtype=tf.float64) * 2.0)
+    plan = tfmem.xla_plan(tf.function(gram_by_chunks, jit_compile=True), tf.ones([600, 600], tf.float64), lower)
+    peak, whole = plan.peak, 600 * 600 * 8
+    assert peak is not None and peak.peak_bytes <= plan.block_bytes
+    # In the loop: the state once (not its body's update beside it), the chunk's product,
+    # and what XLA makes of the solve.
+    states = [t for t in peak.live_at_peak if t.nbytes == whole and "MatMul" not in t.name and "solved" not in t.name]
+    assert len(states) == 1, peak.in_words()
+    assert any("MatMul" in t.name and t.nbytes == whole for t in peak.live_at_peak)
+
+
+def test_what_xla_makes_up_inside_an_expanded_op_is_named_by_that_op() -> None:
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    from tfmem.memory import _op_names
+
+    f = tf.function(lambda lower, b: tf.linalg.triangular_solve(lower, b * 2.0, adjoint=True, name="solved"),
+                    jit_compile=True)
+    lower = tf.linalg.cholesky(tf.eye(600, dtype=tf.float64) * 2.0)
+    proto = hlo_pb2.HloProto()
+    proto.ParseFromString(f.experimental_get_compiler_ir(lower, tf.ones([600, 600], tf.float64))(
+        stage="optimized_hlo_proto_serialized"))
+    made_up = {name for name in _op_names(proto).values() if "(XLA's " in name}
+    assert made_up and all(name.startswith("solved/MatrixTriangularSolve (XLA's ") for name in made_up)
+
+
 def test_the_report_shows_xlas_peak_beside_the_estimate() -> None:
     f = tfmem.function(lambda x: tf.reduce_sum(tf.exp(x @ tf.transpose(x)) @ x, 0),
                        config=tfmem.Config(memory_budget="2MiB"))
