@@ -19,7 +19,7 @@ from rewrites.diag_of_product import ContractDiagOfProduct
 from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
 from rewrites.scale_by_diagonal import ScaleByDiagonal
-from rewrites.split import SplitOversizedRegions
+from rewrites.split import RecomputeAcrossXlaPeak, SplitOversizedRegions
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
@@ -27,7 +27,7 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup, DropOrderOnlyControlEdges),
     "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, SolveInsteadOfInverse, ComposeTransposes),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
-    "split": (SplitOversizedRegions,),
+    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

@@ -20,6 +20,7 @@ import dataclasses
 
 from tfmem.budget import Budget
 from tfmem.config import Config
+from tfmem.memory import MemoryEstimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,9 @@ class PassContext:
         target_bytes: what the static estimate of the rewritten program must reach
             (`budget.plan_bytes` at first; `compile_within_budget` tightens it when XLA's
             plan needs more); None without a budget.
+        xla_peak: what XLA keeps alive at its peak in this plan's previous compile, when
+            that did not fit (`XlaPlan.peak`): passes may make again what XLA holds across
+            it (`rewrites.split.recompute`). None on a first plan.
 
     `budget` and `target_bytes` derive from the config key `memory_budget` (and the
     device): a pass that reads them declares `memory_budget` in its `GraphPass.reads`.
@@ -40,6 +44,7 @@ class PassContext:
     config: Config
     budget: Budget | None = None
     target_bytes: int | None = None
+    xla_peak: MemoryEstimate | None = None
 
     @classmethod
     def for_budget(cls, config: Config, budget: Budget | None) -> PassContext:
@@ -49,3 +54,7 @@ class PassContext:
     def tightened(self, target_bytes: int) -> PassContext:
         """The same context planning to a smaller target (a re-plan)."""
         return dataclasses.replace(self, target_bytes=target_bytes)
+
+    def seeing(self, xla_peak: MemoryEstimate) -> PassContext:
+        """The same context, told what XLA kept alive at its peak last time."""
+        return dataclasses.replace(self, xla_peak=xla_peak)

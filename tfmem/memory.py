@@ -519,7 +519,11 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
               for allocation in assignment.buffer_allocations for assigned in allocation.assigned}
     instructions = {i.id: i for c in proto.hlo_module.computations for i in c.instructions}
     op_names = _op_names(proto)
+    entry_ops = _entry_ops(proto)
+    computation_of = {i.name: c.id for c in proto.hlo_module.computations for i in c.instructions}
+    instruction_ids = {i.name: i.id for c in proto.hlo_module.computations for i in c.instructions}
     best: tuple[int, str, list[tuple[int, int]]] | None = None
+    steps: dict[str, tuple[int, int]] = {}  # the program's ops in XLA's order: the bytes live when each starts
     for trace in traces:
         at: dict[Any, list[int]] = {}  # a place in memory → the live buffers in it, oldest first
         size: dict[Any, int] = {}
@@ -542,6 +546,10 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
                 if not members:
                     del at[place]
                     current -= size.pop(place)
+            op = (entry_ops.get(computation_of.get(event.instruction_name, -1))
+                  or op_names.get(instruction_ids.get(event.instruction_name, -1), "")).split(" (", 1)[0]
+            if op and op not in steps:
+                steps[op] = (current, 0)
             if best is None or current > best[0]:
                 best = (current, event.instruction_name, [(members[-1], size[place]) for place, members in at.items()])
     assert best is not None
@@ -560,9 +568,41 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
                           tuple(shape.dimensions), dtype, instruction.opcode)
 
     live_at_peak = sorted((described(b, nbytes) for b, nbytes in live_ids), key=lambda t: (-t.nbytes, t.name))
-    peak_node = next((op_names[i.id] for i in instructions.values() if i.name == peak_instruction and i.id in op_names),
-                     peak_instruction)
-    return MemoryEstimate(peak_bytes, peak_node, tuple(live_at_peak))
+    return MemoryEstimate(peak_bytes, _peak_node(proto, peak_instruction, op_names, entry_ops), tuple(live_at_peak),
+                          steps=steps)
+
+
+def _peak_node(proto: Any, instruction_name: str, op_names: Mapping[int, str], entry_ops: Mapping[int, str]) -> str:
+    """The op running at XLA's peak: the TensorFlow op of the instruction, and where it
+    runs inside a called computation (a loop's body), the op of the program that calls
+    it, as `tfmem_step/tfmem_split/while (chunk/MatMul_1)`."""
+    for computation in proto.hlo_module.computations:
+        for instruction in computation.instructions:
+            if instruction.name != instruction_name:
+                continue
+            own = op_names.get(instruction.id, instruction_name)
+            outer = entry_ops.get(computation.id)
+            return own if outer is None or own.startswith(outer) else f"{outer} ({own})"
+    return instruction_name
+
+
+def _entry_ops(proto: Any) -> dict[int, str]:
+    """The op of the program (an instruction of the entry computation) that calls each
+    other computation, directly or through others: a loop's body → the loop."""
+    entry = proto.hlo_module.entry_computation_id
+    outermost: dict[int, str] = {}
+    computations = list(proto.hlo_module.computations)
+    for _ in range(8):  # computations call computations: a few rounds reach the nested ones
+        changed = False
+        for computation in computations:
+            for instruction in computation.instructions:
+                name = instruction.metadata.op_name if computation.id == entry else outermost.get(computation.id)
+                for called in instruction.called_computation_ids:
+                    if name and called not in outermost:
+                        outermost[called], changed = name, True
+        if not changed:
+            break
+    return outermost
 
 
 def _op_names(proto: Any) -> dict[int, str]:
@@ -590,6 +630,24 @@ def _op_names(proto: Any) -> dict[int, str]:
             elif computation.id in caller:
                 names[instruction.id] = f"{caller[computation.id]} (XLA's {instruction.name})"
     return names
+
+
+def graph_node_for(graph: Graph, xla_name: str) -> str | None:
+    """The node of `graph` an XLA name from `xla_live_at_peak` stands for, or None.
+
+    XLA names an op `function/node` (the function the graph was imported as), and what it
+    made up inside one `function/node (XLA's instruction)`; ops inside a loop's body are
+    named by their own graph's nodes, and match nothing here.
+
+    Example:
+        >>> graph_node_for(graph, "tfmem_step/Cholesky")    # a graph with a node "Cholesky"
+        'Cholesky'
+    """
+    name = xla_name.split(" (", 1)[0]
+    for candidate in (name, name.split("/", 1)[-1]):
+        if candidate in graph:
+            return candidate
+    return None
 
 
 def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:

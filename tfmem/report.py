@@ -44,6 +44,8 @@ _PEAK_TENSORS_SHOWN = 6
 # The rule of the record that says a rewrite was dropped: XLA plans less for the program
 # as written (`tfmem.stages.compile_within_budget`).
 NEVER_WORSE_RULE = "NeverWorseThanWritten"
+# The rule of `rewrites.split.recompute.recompute_across_xla_peak`: what XLA held across its peak, made again.
+XLA_PEAK_RULE = "RecomputeAcrossXlaPeak"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,9 @@ from tfmem.passes import GraphPass, PassResult
 
 from rewrites.split.planner import Planner
 from rewrites.split.op_rules import SUPPORTED_OPS
+from rewrites.split.recompute import recompute_across_xla_peak
 
-__all__ = ["SplitOversizedRegions", "SUPPORTED_OPS"]
+__all__ = ["RecomputeAcrossXlaPeak", "SplitOversizedRegions", "SUPPORTED_OPS"]
 
 
 class SplitOversizedRegions(GraphPass):
@@ -60,3 +61,25 @@ class SplitOversizedRegions(GraphPass):
             return PassResult(graph, bool(planner.loops), planner.records)
         planner, verdict = Planner.within(self.name, graph, target, threshold, config.split_size)
         return PassResult(planner.graph, bool(planner.loops), planner.records, verdict=verdict)
+
+
+class RecomputeAcrossXlaPeak(GraphPass):
+    """Makes again what XLA held across its peak, when a plan XLA compiled did not fit.
+
+    `compile_within_budget` runs the pipeline once more with XLA's live set at its peak
+    in the context (`PassContext.xla_peak`); this pass then recomputes, for their late
+    readers, the tensors XLA kept alive there but did not read
+    (`recompute.recompute_across_xla_peak`), and XLA's next plan decides whether it stays.
+    Without that context it does nothing.
+    """
+
+    name = "recompute_across_xla_peak"
+    stage = "split"
+    runs_once = True
+    reads = frozenset({"memory_budget"})
+
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        if context.xla_peak is None:
+            return PassResult(graph, False, [])
+        records = recompute_across_xla_peak(graph, context.xla_peak, self.name)
+        return PassResult(graph, any(r.status == "fired" for r in records), records)

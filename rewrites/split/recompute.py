@@ -27,12 +27,17 @@ Example (GPflow SGPR loss and gradients; `Exp_1` is the inducing points' kernel 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 
+from tfmem.config import format_size
+from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import RESIDENT_OPS, MemoryEstimate
+from tfmem.memory import RESIDENT_OPS, MemoryEstimate, estimate_memory, graph_node_for
+from tfmem.passes import RewriteRecord
+from tfmem.report import XLA_PEAK_RULE
 
 from rewrites.split.cone import Cone, grow_cone
 from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
@@ -45,6 +50,10 @@ _CHEAP_OPS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
     "Sum", "Mean", "Max", "Min", "Prod", "MatrixSetDiagV3", "MatrixDiagV3", "MatrixDiagPartV3",
     "MatrixBandPart", "Select", "ZerosLike", "OnesLike"})
 _PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# Factorizations cost about as much as one triangular solve with a square right-hand
+# side: made again only where XLA's own plan shows the factor held across its peak
+# (`recompute_across_xla_peak`), never on the static estimate's word alone.
+FACTORIZATION_OPS = frozenset({"Cholesky"})
 # A product is cheap when each output element sums at most this many terms (a kernel
 # matrix's squared distances: the inputs' dimension).
 MAX_INNER = 128
@@ -60,16 +69,19 @@ def _inner_dimension(graph: Graph, name: str) -> int | None:
     return shape[-2] if adjoint else shape[-1]
 
 
-def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int) -> Cone | str:
+def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizations: bool = False) -> Cone | str:
     """The cheap ops that make `tensor` from inputs of at most `leaf_limit` bytes (or
     inputs of the program, held anyway); or why there are none.
 
     Cheap: elementwise maps, broadcasts and reshapes, reductions, diagonal edits, and
-    products whose inner dimension is at most `MAX_INNER`. Anything else over
-    `leaf_limit` — a Cholesky factor, a product over the data — is not recomputed.
+    products whose inner dimension is at most `MAX_INNER`; with `factorizations`, a
+    Cholesky factor too. Anything else over `leaf_limit` — a product over the data — is
+    not recomputed.
     """
     def refuse(name: str) -> str | None:
         op = graph.node(name).op
+        if factorizations and op in FACTORIZATION_OPS:
+            return None
         if op in _PRODUCT_OPS:
             inner = _inner_dimension(graph, name)
             if inner is None or inner > MAX_INNER:
@@ -90,6 +102,55 @@ def late_readers(graph: Graph, tensor: TensorRef, estimate: MemoryEstimate) -> l
     if any(position.get(reader, -1) == peak for reader, _ in readers):
         return []
     return [(reader, slot) for reader, slot in readers if position.get(reader, -1) > peak]
+
+
+def readers_after(graph: Graph, tensor: TensorRef, peak_node: str, xla_order: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The readers of `tensor` that XLA runs after its peak at `peak_node`; empty when
+    `peak_node` itself reads it.
+
+    A reader that depends on the peak runs after it, one the peak depends on before it;
+    for the others `xla_order` decides (the program's ops by their first step in XLA's
+    schedule; one with no step of its own there, fused into another op, stays before).
+    The estimate's schedule is no guide here: a loop's first chunk, peeled, the estimate
+    may run early and XLA late.
+    """
+    readers = _through_identities(graph, tensor)
+    if any(reader == peak_node for reader, _ in readers):
+        return []
+    before, after = graph.ancestors(peak_node), _descendants(graph, peak_node)
+    peak = xla_order[peak_node]
+
+    def runs_after(reader: str) -> bool:
+        if reader in before or reader in after:
+            return reader in after
+        return reader in xla_order and xla_order[reader] > peak
+
+    return [(reader, slot) for reader, slot in readers if runs_after(reader)]
+
+
+def _through_identities(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]]:
+    """The readers of `tensor`, looking through `Identity` ops (the split stage hands a
+    loop its inputs through them; XLA runs none): each reads the same value, and a
+    reader past one can be given a copy on its own."""
+    readers: list[tuple[str, int]] = []
+    for reader, slot in graph.consumers(tensor):
+        if graph.node(reader).op == "Identity" and not graph.control_inputs(reader):
+            readers.extend(_through_identities(graph, TensorRef(reader)))
+        else:
+            readers.append((reader, slot))
+    return readers
+
+
+def _descendants(graph: Graph, name: str) -> set[str]:
+    """Every node that depends on `name` (data or control), not `name` itself."""
+    seen: set[str] = set()
+    stack = list(graph.node_consumers(name))
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(graph.node_consumers(node))
+    return seen
 
 
 def _tie(graph: Graph, cone: Cone, first_reader: str, position: dict[str, int]) -> TensorRef | None:
@@ -124,15 +185,21 @@ def _after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
 
 
 def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
-                  estimate: MemoryEstimate) -> TensorRef:
-    """Makes a copy of `cone` for `readers` (see the module docstring), after the last
-    made input of the first of them in the estimate's schedule; rewires them to it and
-    returns the copy's tensor. Raises GraphError when nothing can order the copy."""
-    position = {name: i for i, name in enumerate(estimate.steps)}
-    first = min((reader for reader, _ in readers), key=lambda r: position.get(r, -1))
-    tie = _tie(graph, cone, first, position)
+                  estimate: MemoryEstimate | None = None, *, tie: TensorRef | None = None) -> TensorRef:
+    """Makes a copy of `cone` for `readers` (see the module docstring), after `tie`, or
+    without one after the last made input of the first of them in the estimate's
+    schedule; rewires them to it and returns the copy's tensor. Raises GraphError when
+    nothing can order the copy."""
     if tie is None:
-        raise GraphError(f"{first} reads no floating-point tensor but {cone.tensor.name}: nothing orders a copy")
+        if estimate is None:
+            raise GraphError("recompute_for needs a tie or an estimate to order the copy")
+        position = {name: i for i, name in enumerate(estimate.steps)}
+        first = min((reader for reader, _ in readers), key=lambda r: position.get(r, -1))
+        tie = _tie(graph, cone, first, position)
+        if tie is None:
+            raise GraphError(f"{first} reads no floating-point tensor but {cone.tensor.name}: nothing orders a copy")
+    if not graph.spec(tie).dtype.is_floating or not graph.spec(tie).shape.num_elements():
+        raise GraphError(f"{tie.name} is no floating-point tensor with elements: it cannot order a copy")
     if not any(graph.spec(leaf).dtype.is_floating for leaf in cone.leaves):
         raise GraphError(f"{cone.tensor.name} is made from no floating-point tensor: nothing orders a copy")
     leaves = list(cone.leaves)
@@ -149,3 +216,68 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     for reader, slot in readers:
         graph.set_input(reader, slot, copied)
     return copied
+
+
+def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,
+                              *, worth: int = 16) -> list[RewriteRecord]:
+    """Makes again, for their readers after it, the tensors XLA holds across its peak.
+
+    `xla_peak` is XLA's live set at the peak of this graph's previous compile
+    (`XlaPlan.peak`). A tensor of the program in it (at least 1/`worth` of the peak) that
+    the op at the peak does not read, and that readers after the peak keep alive, is
+    made again from its cone for those readers, as the split planner does for the
+    static estimate's peak — here a Cholesky factor may be in the cone: one more
+    factorization, where XLA shows the factor's memory at its peak (GPflow's SGPR
+    gradient holds the inducing points' factor L across the Cholesky gradient of the
+    other factor, in the solve where XLA peaks). The caller compiles the result and keeps
+    it only if XLA plans less. Returns a record per tensor tried.
+    """
+    peak_node = graph_node_for(graph, xla_peak.peak_node or "")
+    xla_order: dict[str, int] = {}
+    for op in xla_peak.steps:
+        node = graph_node_for(graph, op)
+        if node is not None and node not in xla_order:
+            xla_order[node] = len(xla_order)
+    if peak_node is None or peak_node not in xla_order:
+        return [RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", kind="split", reason=(
+            f"XLA's peak, at {xla_peak.peak_node}, is at no op of the program's own graph"))]
+    tie = TensorRef(peak_node)  # the copies are made after the op at XLA's peak
+    records: list[RewriteRecord] = []
+    tried: set[TensorRef] = set()
+    for live in xla_peak.live_at_peak:
+        if live.nbytes * worth < xla_peak.peak_bytes:
+            break  # largest first: the rest are small
+        node = graph_node_for(graph, live.name)
+        if node is None or " (" in live.name:  # in a loop's body, or made up by XLA inside an op
+            continue
+        tensor = next((TensorRef(node, i) for i in range(len(graph.output_specs(node)))
+                       if graph.nbytes(TensorRef(node, i)) == live.nbytes), None)
+        if tensor is None or tensor in tried:
+            continue
+        tried.add(tensor)
+        readers = readers_after(graph, tensor, peak_node, xla_order)
+        if not readers:
+            continue  # read at the peak, or by nothing that may run after it
+        cone = cheap_cone(graph, tensor, leaf_limit=max(1, live.nbytes // worth), factorizations=True)
+        if isinstance(cone, str):
+            records.append(RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", (node,), kind="split", reason=(
+                f"held across XLA's peak at {xla_peak.peak_node}, not made again: {cone}")))
+            continue
+        checkpoint = graph.copy()
+        try:
+            recompute_for(graph, cone, readers, tie=tie)
+        except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
+            graph.assign(checkpoint)
+            records.append(RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", (node,), kind="split",
+                                         reason=f"held across XLA's peak, not made again: {first_line(err)}"))
+            continue
+        spec = graph.spec(tensor)
+        names = ", ".join(reader for reader, _ in readers)
+        records.append(RewriteRecord(
+            pass_name, XLA_PEAK_RULE, "fired", (node,), kind="split",
+            reason=f"XLA holds it across its peak at {xla_peak.peak_node} ({format_size(xla_peak.peak_bytes)}): made "
+                   f"again from {', '.join(leaf.name for leaf in cone.leaves) or 'constants'} for {names}",
+            details={"tensor": tensor.name, "bytes": live.nbytes, "shape": f"{spec.dtype.name}{spec.shape.as_list()}",
+                     "recomputed_for": names, "nodes": len(cone.nodes)}))
+    graph.prune()
+    return records
