@@ -500,6 +500,8 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
     it as `op_name` metadata: `function/node`), or by its HLO instruction where XLA made
     it up itself (the blocks of a triangular solve). The result reads like tfmem's own
     estimate (`MemoryEstimate.in_words`): it is what tfmem's estimate is trying to predict.
+    Its `steps` are the program's ops (`function/node`; a loop's body counts as its loop)
+    in the order XLA first runs them, with the bytes live then.
 
     Example:
         >>> plan = xla_plan(tf.function(lambda x: tf.linalg.cholesky(x @ tf.transpose(x)), jit_compile=True),

@@ -18,6 +18,12 @@ sees other operands). The split planner does this (`Planner._recompute_later`) f
 across the static peak, and keeps it only when the peak falls; the copy's readers may
 then be split like any others.
 
+XLA's schedule is not the estimate's, and its peak can be elsewhere. When a plan XLA
+compiled does not fit, `recompute_across_xla_peak` does the same for what XLA's own live
+set at its peak shows held there (`XlaPlan.peak`), a Cholesky factor included, with the
+readers XLA runs after its peak; XLA's next plan decides whether it stays
+(`tfmem.stages.compile_within_budget`).
+
 Example (GPflow SGPR loss and gradients; `Exp_1` is the inducing points' kernel matrix):
     >>> cone = cheap_cone(graph, TensorRef("Exp_1"), leaf_limit=2**20)
     >>> cone.leaves                     # Z / lengthscales [M, 3]: all it takes
@@ -27,7 +33,6 @@ Example (GPflow SGPR loss and gradients; `Exp_1` is the inducing points' kernel 
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
@@ -35,7 +40,7 @@ import tensorflow as tf
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import RESIDENT_OPS, MemoryEstimate, estimate_memory, graph_node_for
+from tfmem.memory import RESIDENT_OPS, MemoryEstimate, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_PEAK_RULE
 
