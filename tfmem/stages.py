@@ -330,8 +330,11 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
     again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
                            target_bytes=compiled.rewritten.context.target_bytes, xla_peak=plan.peak)
     remade = [r for r in again.records if r.rule == XLA_PEAK_RULE and r.status == "fired"]
-    if not remade:
-        return compiled
+    if not remade:  # say why not: what XLA held there, and what made each tensor not worth making again
+        why = tuple(r for r in again.records if r.rule == XLA_PEAK_RULE)
+        return dataclasses.replace(compiled, check_seconds=compiled.check_seconds + time.perf_counter() - start,
+                                   rewritten=dataclasses.replace(compiled.rewritten,
+                                                                 records=(*compiled.rewritten.records, *why)))
     candidate = again.compile(input_signature=input_signature, name=name)
     planned = candidate.xla_plan(*args, **kwargs)
     check_seconds = compiled.check_seconds + time.perf_counter() - start

@@ -253,8 +253,8 @@ def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name:
         if live.nbytes * worth < xla_peak.peak_bytes:
             break  # largest first: the rest are small
         node = graph_node_for(graph, live.name)
-        if node is None or " (" in live.name:  # in a loop's body, or made up by XLA inside an op
-            continue
+        if node is None or " (" in live.name or node == peak_node:  # in a loop's body, made up by XLA
+            continue                                                 # inside an op, or made at the peak
         tensor = next((TensorRef(node, i) for i in range(len(graph.output_specs(node)))
                        if graph.nbytes(TensorRef(node, i)) == live.nbytes), None)
         if tensor is None or tensor in tried:
