@@ -403,13 +403,21 @@ class Graph:
 
     def ancestors(self, name: str) -> set[str]:
         """`name` and every node it depends on, through data and control edges."""
+        return self._reachable(name, self.producers)
+
+    def descendants(self, name: str) -> set[str]:
+        """`name` and every node that depends on it, through data and control edges."""
+        return self._reachable(name, self.node_consumers)
+
+    @staticmethod
+    def _reachable(name: str, step: Callable[[str], Iterable[str]]) -> set[str]:
         seen: set[str] = set()
         stack = [name]
         while stack:
             current = stack.pop()
             if current not in seen:
                 seen.add(current)
-                stack.extend(self.producers(current))
+                stack.extend(step(current))
         return seen
 
     def _schedule(self, priority: Callable[[str], Any],

@@ -122,7 +122,7 @@ def readers_after(graph: Graph, tensor: TensorRef, peak_node: str, xla_order: Ma
     readers = _through_identities(graph, tensor)
     if any(reader == peak_node for reader, _ in readers):
         return []
-    before, after = graph.ancestors(peak_node), _descendants(graph, peak_node)
+    before, after = graph.ancestors(peak_node), graph.descendants(peak_node)
     peak = xla_order[peak_node]
 
     def runs_after(reader: str) -> bool:
@@ -144,18 +144,6 @@ def _through_identities(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]
         else:
             readers.append((reader, slot))
     return readers
-
-
-def _descendants(graph: Graph, name: str) -> set[str]:
-    """Every node that depends on `name` (data or control), not `name` itself."""
-    seen: set[str] = set()
-    stack = list(graph.node_consumers(name))
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(graph.node_consumers(node))
-    return seen
 
 
 def _tie(graph: Graph, cone: Cone, first_reader: str, position: dict[str, int]) -> TensorRef | None:
