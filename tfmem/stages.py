@@ -232,7 +232,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        the static plan already missed its own target (a tighter one meets the same wall).
     3. A rewritten program that still does not fit is planned once more with XLA's live
        set at its peak in view: what XLA holds there for later readers is made again for
-       them (`_recompute_across_xla_peak`); kept when XLA plans less (one more compile).
+       them (`_recompute_across_xla_peak`); kept when XLA's plan then fits better (one more
+       compile).
     4. A rewritten program that still does not fit is compared with the program as
        written (one more XLA compile): where XLA plans less for that, the rewrite is
        dropped and the program runs as written (`_never_worse_than_written`).
@@ -321,7 +322,8 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
     XLA peaks in the Cholesky gradient of the second factor at 523 MiB, holding the first
     factor L for the gradient after it; with L made again there it plans 445.7 MiB.
     Asked only when the plan does not fit, and only when the pass finds such a tensor;
-    the new plan costs one more compile and is kept only if XLA plans less for it.
+    the new plan costs one more compile and is kept only if XLA's plan of it fits better
+    (`Budget.plan_overshoot`).
     """
     plan = compiled.checked_plan
     if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held_peak):
@@ -340,21 +342,23 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
     check_seconds = compiled.check_seconds + time.perf_counter() - start
     held_peak = allocator_peak()
     tensors = ", ".join(str(r.details.get("tensor")) for r in remade)
-    if planned is None or planned.total_bytes >= plan.total_bytes:
+    overshoot = budget.plan_overshoot(planned, held_peak) if planned is not None else None
+    # Kept for what decides the verdict: XLA's plan must fit better, not only be smaller.
+    if overshoot is None or compiled.xla_overshoot is None or overshoot >= compiled.xla_overshoot:
         note = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
             f"not kept: with {tensors} made again after XLA's peak, XLA plans "
-            f"{format_size(planned.total_bytes) if planned else 'nothing it can compile'}, "
-            f"{format_size(plan.total_bytes)} without"))
+            + (f"{format_size(planned.total_bytes)} (overshoot {overshoot:.3f})" if planned is not None and
+               overshoot is not None else "nothing it can compile")
+            + f", {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot or 0:.3f}) without"))
         return dataclasses.replace(compiled, check_seconds=check_seconds, rewritten=dataclasses.replace(
             compiled.rewritten, records=(*compiled.rewritten.records, note)))
     notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
     kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
-        f"kept: with {tensors} made again after XLA's peak, XLA plans {format_size(planned.total_bytes)}, "
-        f"{format_size(plan.total_bytes)} without"))
+        f"kept: with {tensors} made again after XLA's peak, XLA plans {format_size(planned.total_bytes)} "
+        f"(overshoot {overshoot:.3f}), {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot:.3f}) without"))
     rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
                                     seconds=compiled.rewritten.seconds + again.seconds)
-    return dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned,
-                               xla_overshoot=budget.plan_overshoot(planned, held_peak),
+    return dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned, xla_overshoot=overshoot,
                                check_seconds=check_seconds, held_peak=held_peak)
 
 
