@@ -520,10 +520,8 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
     placed = {assigned.logical_buffer_id: ((allocation.index, assigned.offset), assigned.size)
               for allocation in assignment.buffer_allocations for assigned in allocation.assigned}
     instructions = {i.id: i for c in proto.hlo_module.computations for i in c.instructions}
-    op_names = _op_names(proto)
-    entry_ops = _entry_ops(proto)
-    computation_of = {i.name: c.id for c in proto.hlo_module.computations for i in c.instructions}
-    instruction_ids = {i.name: i.id for c in proto.hlo_module.computations for i in c.instructions}
+    by_name = {i.name: (i, c.id) for c in proto.hlo_module.computations for i in c.instructions}
+    op_names, entry_ops = _op_names(proto), _calling_ops(proto, outermost=True)
     best: tuple[int, str, list[tuple[int, int]]] | None = None
     steps: dict[str, tuple[int, int]] = {}  # the program's ops in XLA's order: the bytes live when each starts
     for trace in traces:
@@ -548,10 +546,11 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
                 if not members:
                     del at[place]
                     current -= size.pop(place)
-            op = (entry_ops.get(computation_of.get(event.instruction_name, -1))
-                  or op_names.get(instruction_ids.get(event.instruction_name, -1), "")).split(" (", 1)[0]
-            if op and op not in steps:
-                steps[op] = (current, 0)
+            if event.instruction_name in by_name:
+                instruction, computation = by_name[event.instruction_name]
+                op = (entry_ops.get(computation) or op_names.get(instruction.id, "")).split(" (", 1)[0]
+                if op and op not in steps:
+                    steps[op] = (current, 0)
             if best is None or current > best[0]:
                 best = (current, event.instruction_name, [(members[-1], size[place]) for place, members in at.items()])
     assert best is not None
@@ -570,41 +569,42 @@ def xla_live_at_peak(proto: Any) -> MemoryEstimate | None:
                           tuple(shape.dimensions), dtype, instruction.opcode)
 
     live_at_peak = sorted((described(b, nbytes) for b, nbytes in live_ids), key=lambda t: (-t.nbytes, t.name))
-    return MemoryEstimate(peak_bytes, _peak_node(proto, peak_instruction, op_names, entry_ops), tuple(live_at_peak),
-                          steps=steps)
+    peak_node = (_peak_node(*by_name[peak_instruction], op_names, entry_ops) if peak_instruction in by_name
+                 else peak_instruction)
+    return MemoryEstimate(peak_bytes, peak_node, tuple(live_at_peak), steps=steps)
 
 
-def _peak_node(proto: Any, instruction_name: str, op_names: Mapping[int, str], entry_ops: Mapping[int, str]) -> str:
+def _peak_node(instruction: Any, computation: int, op_names: Mapping[int, str],
+               entry_ops: Mapping[int, str]) -> str:
     """The op running at XLA's peak: the TensorFlow op of the instruction, and where it
     runs inside a called computation (a loop's body), the op of the program that calls
     it, as `tfmem_step/tfmem_split/while (chunk/MatMul_1)`."""
-    for computation in proto.hlo_module.computations:
-        for instruction in computation.instructions:
-            if instruction.name != instruction_name:
-                continue
-            own = op_names.get(instruction.id, instruction_name)
-            outer = entry_ops.get(computation.id)
-            return own if outer is None or own.startswith(outer) else f"{outer} ({own})"
-    return instruction_name
+    own = op_names.get(instruction.id, instruction.name)
+    outer = entry_ops.get(computation)
+    return own if outer is None or own.startswith(outer) else f"{outer} ({own})"
 
 
-def _entry_ops(proto: Any) -> dict[int, str]:
-    """The op of the program (an instruction of the entry computation) that calls each
-    other computation, directly or through others: a loop's body → the loop."""
+def _calling_ops(proto: Any, *, outermost: bool) -> dict[int, str]:
+    """The op calling each computation XLA called from another, by computation id: the
+    nearest calling instruction with an `op_name`, or with `outermost` the instruction
+    of the entry computation the calls start from (a loop's body → the loop)."""
     entry = proto.hlo_module.entry_computation_id
-    outermost: dict[int, str] = {}
+    calling: dict[int, str] = {}
     computations = list(proto.hlo_module.computations)
     for _ in range(8):  # computations call computations: a few rounds reach the nested ones
         changed = False
         for computation in computations:
             for instruction in computation.instructions:
-                name = instruction.metadata.op_name if computation.id == entry else outermost.get(computation.id)
+                if outermost:
+                    name = instruction.metadata.op_name if computation.id == entry else calling.get(computation.id)
+                else:
+                    name = instruction.metadata.op_name or calling.get(computation.id)
                 for called in instruction.called_computation_ids:
-                    if name and called not in outermost:
-                        outermost[called], changed = name, True
+                    if name and called not in calling:
+                        calling[called], changed = name, True
         if not changed:
             break
-    return outermost
+    return calling
 
 
 def _op_names(proto: Any) -> dict[int, str]:
@@ -612,20 +612,9 @@ def _op_names(proto: Any) -> dict[int, str]:
     `op_name` metadata, or for what XLA made up inside a computation it expanded an op
     into (a triangular solve's blocks), that of the instruction calling the computation,
     as `op (XLA's instruction)`."""
-    caller: dict[int, str] = {}  # computation id → the op_name of an instruction calling it
-    computations = list(proto.hlo_module.computations)
-    for _ in range(8):  # computations call computations: a few rounds reach the nested ones
-        changed = False
-        for computation in computations:
-            for instruction in computation.instructions:
-                name = instruction.metadata.op_name or caller.get(computation.id)
-                for called in instruction.called_computation_ids:
-                    if name and called not in caller:
-                        caller[called], changed = name, True
-        if not changed:
-            break
+    caller = _calling_ops(proto, outermost=False)
     names: dict[int, str] = {}
-    for computation in computations:
+    for computation in proto.hlo_module.computations:
         for instruction in computation.instructions:
             if instruction.metadata.op_name:
                 names[instruction.id] = instruction.metadata.op_name
