@@ -223,7 +223,7 @@ def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name:
     factorization, where XLA shows the factor's memory at its peak (GPflow's SGPR
     gradient holds the inducing points' factor L across the Cholesky gradient of the
     other factor, in the solve where XLA peaks). The caller compiles the result and keeps
-    it only if XLA plans less. Returns a record per tensor tried.
+    it only if XLA's plan then fits better. Returns a record per tensor tried.
     """
     peak_node = graph_node_for(graph, xla_peak.peak_node or "")
     xla_order: dict[str, int] = {}
