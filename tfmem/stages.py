@@ -312,7 +312,7 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
                                args: Sequence[Any], kwargs: Mapping[str, Any], *,
                                passes: Sequence[GraphPass] | None, lint: bool, input_signature: Any,
                                name: str) -> Compiled:
-    """`compiled`, or its plan made again with XLA's peak in view when XLA plans less for that.
+    """`compiled`, or its plan made again with XLA's peak in view when XLA's plan of that fits better.
 
     The passes plan to the static estimate, whose schedule is not XLA's: a tensor the
     estimate sees read at its peak can be one XLA holds across its own. XLA's live set at
@@ -334,9 +334,7 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
     remade = [r for r in again.records if r.rule == XLA_PEAK_RULE and r.status == "fired"]
     if not remade:  # say why not: what XLA held there, and what made each tensor not worth making again
         why = tuple(r for r in again.records if r.rule == XLA_PEAK_RULE)
-        return dataclasses.replace(compiled, check_seconds=compiled.check_seconds + time.perf_counter() - start,
-                                   rewritten=dataclasses.replace(compiled.rewritten,
-                                                                 records=(*compiled.rewritten.records, *why)))
+        return _noted(compiled, why, check_seconds=compiled.check_seconds + time.perf_counter() - start)
     candidate = again.compile(input_signature=input_signature, name=name)
     planned = candidate.xla_plan(*args, **kwargs)
     check_seconds = compiled.check_seconds + time.perf_counter() - start
@@ -350,8 +348,7 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
             + (f"{format_size(planned.total_bytes)} (overshoot {overshoot:.3f})" if planned is not None and
                overshoot is not None else "nothing it can compile")
             + f", {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot or 0:.3f}) without"))
-        return dataclasses.replace(compiled, check_seconds=check_seconds, rewritten=dataclasses.replace(
-            compiled.rewritten, records=(*compiled.rewritten.records, note)))
+        return _noted(compiled, (note,), check_seconds=check_seconds)
     notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
     kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
         f"kept: with {tensors} made again after XLA's peak, XLA plans {format_size(planned.total_bytes)} "
@@ -360,6 +357,12 @@ def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compile
                                     seconds=compiled.rewritten.seconds + again.seconds)
     return dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned, xla_overshoot=overshoot,
                                check_seconds=check_seconds, held_peak=held_peak)
+
+
+def _noted(compiled: Compiled, records: Sequence[RewriteRecord], *, check_seconds: float) -> Compiled:
+    """`compiled` as it is, with `records` added to its report and the time its checks took."""
+    return dataclasses.replace(compiled, check_seconds=check_seconds, rewritten=dataclasses.replace(
+        compiled.rewritten, records=(*compiled.rewritten.records, *records)))
 
 
 def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
@@ -393,8 +396,7 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
             f"kept: XLA plans {format_size(plan.total_bytes)} for the rewritten program"
             + (f", {format_size(written_plan.total_bytes)} for the program as written" if written_plan else
                ", and cannot compile the program as written")))
-        return dataclasses.replace(compiled, check_seconds=check_seconds, rewritten=dataclasses.replace(
-            compiled.rewritten, records=(*compiled.rewritten.records, note)))
+        return _noted(compiled, (note,), check_seconds=check_seconds)
     fired = sum(1 for r in compiled.rewritten.records if r.status == "fired")
     dropped = RewriteRecord("compile_within_budget", NEVER_WORSE_RULE, "rejected", kind="plan", reason=(
         f"the rewrite is dropped: XLA plans {format_size(plan.total_bytes)} for the rewritten program "
