@@ -33,9 +33,10 @@ class PassContext:
         target_bytes: what the static estimate of the rewritten program must reach
             (`budget.plan_bytes` at first; `compile_within_budget` tightens it when XLA's
             plan needs more); None without a budget.
-        xla_peak: what XLA keeps alive at its peak in this plan's previous compile, when
-            that did not fit (`XlaPlan.peak`): passes may make again what XLA holds across
-            it (`rewrites.split.recompute`). None on a first plan.
+        xla_peaks: what XLA kept alive at its peak in each earlier compile of this plan
+            that did not fit (`XlaPlan.peak`), oldest first: passes may make again what XLA
+            holds across one (`rewrites.split.recompute`), or take smaller chunks in a loop
+            XLA peaks in (`Planner.shrink_at_xla_peaks`). Empty on a first plan.
 
     `budget` and `target_bytes` derive from the config key `memory_budget` (and the
     device): a pass that reads them declares `memory_budget` in its `GraphPass.reads`.
@@ -44,7 +45,7 @@ class PassContext:
     config: Config
     budget: Budget | None = None
     target_bytes: int | None = None
-    xla_peak: MemoryEstimate | None = None
+    xla_peaks: tuple[MemoryEstimate, ...] = ()
 
     @classmethod
     def for_budget(cls, config: Config, budget: Budget | None) -> PassContext:
@@ -55,6 +56,6 @@ class PassContext:
         """The same context planning to a smaller target (a re-plan)."""
         return dataclasses.replace(self, target_bytes=target_bytes)
 
-    def seeing(self, xla_peak: MemoryEstimate) -> PassContext:
-        """The same context, told what XLA kept alive at its peak last time."""
-        return dataclasses.replace(self, xla_peak=xla_peak)
+    def seeing(self, *xla_peaks: MemoryEstimate) -> PassContext:
+        """The same context, told what XLA kept alive at its peaks so far (oldest first)."""
+        return dataclasses.replace(self, xla_peaks=(*self.xla_peaks, *xla_peaks))

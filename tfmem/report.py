@@ -46,6 +46,10 @@ _PEAK_TENSORS_SHOWN = 6
 NEVER_WORSE_RULE = "NeverWorseThanWritten"
 # The rule of `rewrites.split.recompute.recompute_across_xla_peak`: what XLA held across its peak, made again.
 XLA_PEAK_RULE = "RecomputeAcrossXlaPeak"
+# The rule of `rewrites.split.planner.Planner.shrink_at_xla_peaks`: a loop XLA peaks in, in smaller chunks.
+XLA_SHRINK_RULE = "ShrinkLoopAtXlaPeak"
+# The rules that act on XLA's peak (`PassContext.xla_peaks`): a plan they change is compiled and checked again.
+XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE})
 
 
 @dataclasses.dataclass(frozen=True)

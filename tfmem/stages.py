@@ -39,7 +39,7 @@ from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import NEVER_WORSE_RULE, XLA_PEAK_RULE, Report
+from tfmem.report import NEVER_WORSE_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES, XLA_SHRINK_RULE, Report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Traced:
 
     def rewrite(self, config: Config | None = None, *, passes: Sequence[GraphPass] | None = None,
                 lint: bool = False, device: str | None = None, budget: Budget | None = None,
-                target_bytes: int | None = None, xla_peak: MemoryEstimate | None = None) -> Rewritten:
+                target_bytes: int | None = None, xla_peaks: Sequence[MemoryEstimate] = ()) -> Rewritten:
         """Runs the pass pipeline under `config` (default: `Config()`) for `device`.
 
         Args:
@@ -85,8 +85,8 @@ class Traced:
                 device); None = `resolve_budget(config, device)`.
             target_bytes: what the static estimate must reach; None = the budget's
                 `plan_bytes` (`compile_within_budget` asks for less when XLA needs more).
-            xla_peak: XLA's live set at its peak in an earlier compile that did not fit
-                (`PassContext.xla_peak`).
+            xla_peaks: XLA's live sets at its peaks in earlier compiles that did not fit,
+                oldest first (`PassContext.xla_peaks`).
 
         Raises:
             PassError: naming the pass that failed.
@@ -98,8 +98,8 @@ class Traced:
         context = PassContext.for_budget(config, budget)
         if target_bytes is not None:
             context = context.tightened(target_bytes)
-        if xla_peak is not None:
-            context = context.seeing(xla_peak)
+        if xla_peaks:
+            context = context.seeing(*xla_peaks)
         # The registered pipeline is made anew from the config; given passes are the same objects.
         cache = self._prefixes.setdefault((tuple(passes) if passes is not None else "registered", lint), {})
         passes = list(passes) if passes is not None else default_pipeline(config)
@@ -232,8 +232,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        the static plan already missed its own target (a tighter one meets the same wall).
     3. A rewritten program that still does not fit is planned once more with XLA's live
        set at its peak in view: what XLA holds there for later readers is made again for
-       them (`_recompute_across_xla_peak`); kept when XLA's plan then fits better (one more
-       compile).
+       them, a loop XLA peaks in takes smaller chunks (`_plan_around_xla_peaks`); kept when
+       XLA's plan then fits better (one more compile), and again at XLA's new peak.
     4. A rewritten program that still does not fit is compared with the program as
        written (one more XLA compile): where XLA plans less for that, the rewrite is
        dropped and the program runs as written (`_never_worse_than_written`).
@@ -302,61 +302,77 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     # The time of every attempt counts, whichever plan is kept.
     best = dataclasses.replace(best, check_seconds=check_seconds, rewritten=dataclasses.replace(
         best.rewritten, records=records, seconds=rewritten.seconds))
-    best = _recompute_across_xla_peak(traced, config, best, budget, args, kwargs, passes=passes, lint=lint,
-                                      input_signature=input_signature, name=name)
+    best = _plan_around_xla_peaks(traced, config, best, budget, args, kwargs, passes=passes, lint=lint,
+                                  input_signature=input_signature, name=name)
     return _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
                                      name=name)
 
 
-def _recompute_across_xla_peak(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
-                               args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                               passes: Sequence[GraphPass] | None, lint: bool, input_signature: Any,
-                               name: str) -> Compiled:
-    """`compiled`, or its plan made again with XLA's peak in view when XLA's plan of that fits better.
+def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
+                           args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                           passes: Sequence[GraphPass] | None, lint: bool, input_signature: Any,
+                           name: str) -> Compiled:
+    """`compiled`, or its plan made again with XLA's peaks in view while XLA's plan of that fits better.
 
-    The passes plan to the static estimate, whose schedule is not XLA's: a tensor the
-    estimate sees read at its peak can be one XLA holds across its own. XLA's live set at
-    its peak (`XlaPlan.peak`) names those tensors; the pipeline runs once more with it
-    (`PassContext.xla_peak`), and what XLA held there for later readers is made again for
-    them. For example GPflow's SGPR loss and gradients, N=20,000, M=3,600 under 512 MiB:
-    XLA peaks in the Cholesky gradient of the second factor at 523 MiB, holding the first
+    The passes plan to the static estimate, whose schedule and loop bodies are not XLA's:
+    a tensor the estimate sees read at its peak can be one XLA holds across its own, and
+    XLA keeps more chunk-sized temporaries in a loop body than the estimate counts. XLA's
+    live set at its peak (`XlaPlan.peak`) says which; the pipeline runs once more with it
+    (`PassContext.xla_peaks`): what XLA held there for later readers is made again for
+    them (`rewrites.split.recompute`), and a loop XLA peaked in takes smaller chunks
+    (`Planner.shrink_at_xla_peaks`). Each round costs one more compile and is kept only if
+    XLA's plan of it fits better (`Budget.plan_overshoot`); the next round sees the new
+    peak beside the old ones, up to `_XLA_PEAK_ROUNDS`.
+
+    For example GPflow's SGPR loss and gradients, N=20,000, M=3,600 under 512 MiB: XLA
+    peaks in the Cholesky gradient of the second factor at 523 MiB, holding the first
     factor L for the gradient after it; with L made again there it plans 445.7 MiB.
-    Asked only when the plan does not fit, and only when the pass finds such a tensor;
-    the new plan costs one more compile and is kept only if XLA's plan of it fits better
-    (`Budget.plan_overshoot`).
     """
-    plan = compiled.checked_plan
-    if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held_peak):
-        return compiled
-    start = time.perf_counter()
-    again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
-                           target_bytes=compiled.rewritten.context.target_bytes, xla_peak=plan.peak)
-    remade = [r for r in again.records if r.rule == XLA_PEAK_RULE and r.status == "fired"]
-    if not remade:  # say why not: what XLA held there, and what made each tensor not worth making again
-        why = tuple(r for r in again.records if r.rule == XLA_PEAK_RULE)
-        return _noted(compiled, why, check_seconds=compiled.check_seconds + time.perf_counter() - start)
-    candidate = again.compile(input_signature=input_signature, name=name)
-    planned = candidate.xla_plan(*args, **kwargs)
-    check_seconds = compiled.check_seconds + time.perf_counter() - start
-    held_peak = allocator_peak()
-    tensors = ", ".join(str(r.details.get("tensor")) for r in remade)
-    overshoot = budget.plan_overshoot(planned, held_peak) if planned is not None else None
-    # Kept for what decides the verdict: XLA's plan must fit better, not only be smaller.
-    if overshoot is None or compiled.xla_overshoot is None or overshoot >= compiled.xla_overshoot:
-        note = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
-            f"not kept: with {tensors} made again after XLA's peak, XLA plans "
-            + (f"{format_size(planned.total_bytes)} (overshoot {overshoot:.3f})" if planned is not None and
-               overshoot is not None else "nothing it can compile")
-            + f", {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot or 0:.3f}) without"))
-        return _noted(compiled, (note,), check_seconds=check_seconds)
-    notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
-    kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
-        f"kept: with {tensors} made again after XLA's peak, XLA plans {format_size(planned.total_bytes)} "
-        f"(overshoot {overshoot:.3f}), {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot:.3f}) without"))
-    rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
-                                    seconds=compiled.rewritten.seconds + again.seconds)
-    return dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned, xla_overshoot=overshoot,
-                               check_seconds=check_seconds, held_peak=held_peak)
+    peaks: tuple[MemoryEstimate, ...] = ()
+    acted_before = 0
+    for _ in range(_XLA_PEAK_ROUNDS):
+        plan = compiled.checked_plan
+        if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held_peak):
+            return compiled
+        peaks = (*peaks, plan.peak)
+        start = time.perf_counter()
+        again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
+                               target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks)
+        acted = [r for r in again.records if r.rule in XLA_PEAK_RULES and r.status == "fired"]
+        if len(acted) <= acted_before:  # nothing new: say why not, from what each rule found
+            why = tuple(r for r in again.records if r.rule in XLA_PEAK_RULES and r.status != "fired")
+            return _noted(compiled, why, check_seconds=compiled.check_seconds + time.perf_counter() - start)
+        acted_before = len(acted)
+        candidate = again.compile(input_signature=input_signature, name=name)
+        planned = candidate.xla_plan(*args, **kwargs)
+        check_seconds = compiled.check_seconds + time.perf_counter() - start
+        held_peak = allocator_peak()
+        changes = "; ".join(dict.fromkeys(_xla_peak_change(r) for r in acted))
+        overshoot = budget.plan_overshoot(planned, held_peak) if planned is not None else None
+        # Kept for what decides the verdict: XLA's plan must fit better, not only be smaller.
+        if overshoot is None or compiled.xla_overshoot is None or overshoot >= compiled.xla_overshoot:
+            note = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
+                f"not kept: with {changes}, XLA plans "
+                + (f"{format_size(planned.total_bytes)} (overshoot {overshoot:.3f})" if planned is not None and
+                   overshoot is not None else "nothing it can compile")
+                + f", {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot or 0:.3f}) without"))
+            return _noted(compiled, (note,), check_seconds=check_seconds)
+        notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
+        kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
+            f"kept: with {changes}, XLA plans {format_size(planned.total_bytes)} (overshoot {overshoot:.3f}), "
+            f"{format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot:.3f}) without"))
+        rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
+                                        seconds=compiled.rewritten.seconds + again.seconds)
+        compiled = dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned,
+                                       xla_overshoot=overshoot, check_seconds=check_seconds, held_peak=held_peak)
+    return compiled
+
+
+def _xla_peak_change(record: RewriteRecord) -> str:
+    """What a rule acting on XLA's peak changed, in a few words."""
+    if record.rule == XLA_SHRINK_RULE:
+        return f"loop {record.details.get('loop')} in chunks of {record.details.get('chunk')}"
+    return f"{record.details.get('tensor')} made again after XLA's peak"
 
 
 def _noted(compiled: Compiled, records: Sequence[RewriteRecord], *, check_seconds: float) -> Compiled:
@@ -411,4 +427,6 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
 
 
 _REPLANS = 2
+# Rounds of rule 3 (`_plan_around_xla_peaks`), each one more compile of a plan that did not fit.
+_XLA_PEAK_ROUNDS = 2
 _REPLAN_MARGIN = 0.95

@@ -41,7 +41,9 @@ class SplitOversizedRegions(GraphPass):
     With a memory budget (from the config or the device), the planner then splits and
     re-chunks until the static estimate reaches the context's target
     (`PassContext.target_bytes`), and grows chunks as far as it allows
-    (`Planner.fit_budget`); its verdict comes back in the `PassResult`.
+    (`Planner.fit_budget`); its verdict comes back in the `PassResult`. When XLA's plan
+    of an earlier compile peaked inside one of its loops (`PassContext.xla_peaks`), that
+    loop takes the smaller chunks XLA's live set there asks for (`Planner.shrink_at_xla_peaks`).
     """
 
     name = "split_oversized_regions"
@@ -60,6 +62,8 @@ class SplitOversizedRegions(GraphPass):
             planner.split_all(threshold, config.split_size)
             return PassResult(graph, bool(planner.loops), planner.records)
         planner, verdict = Planner.within(self.name, graph, target, threshold, config.split_size)
+        if context.xla_peaks and context.budget is not None:
+            planner.shrink_at_xla_peaks(context.xla_peaks, context.budget.xla_bytes)
         return PassResult(planner.graph, bool(planner.loops), planner.records, verdict=verdict)
 
 
@@ -67,7 +71,7 @@ class RecomputeAcrossXlaPeak(GraphPass):
     """Makes again what XLA held across its peak, when a plan XLA compiled did not fit.
 
     `compile_within_budget` runs the pipeline once more with XLA's live set at its peak
-    in the context (`PassContext.xla_peak`); this pass then recomputes, for their late
+    in the context (`PassContext.xla_peaks`); this pass then recomputes, for their late
     readers, the tensors XLA kept alive there but did not read
     (`recompute.recompute_across_xla_peak`), and XLA's next plan decides whether it stays.
     Without that context it does nothing.
@@ -79,7 +83,6 @@ class RecomputeAcrossXlaPeak(GraphPass):
     reads = frozenset({"memory_budget"})
 
     def run(self, graph: Graph, context: PassContext) -> PassResult:
-        if context.xla_peak is None:
-            return PassResult(graph, False, [])
-        records = recompute_across_xla_peak(graph, context.xla_peak, self.name)
+        records = [record for peak in context.xla_peaks
+                   for record in recompute_across_xla_peak(graph, peak, self.name)]
         return PassResult(graph, any(r.status == "fired" for r in records), records)

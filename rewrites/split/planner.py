@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
@@ -30,8 +31,9 @@ from tfmem.budget import PlanVerdict
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
-from tfmem.memory import MemoryEstimate, estimate_memory
+from tfmem.memory import MemoryEstimate, estimate_memory, graph_node_for
 from tfmem.passes import RewriteRecord
+from tfmem.report import XLA_SHRINK_RULE
 
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
 from rewrites.split.diagonals import lower_diagonals
@@ -492,6 +494,47 @@ class Planner:
                 continue
             estimate = after
         return estimate
+
+    def shrink_at_xla_peaks(self, peaks: Sequence[MemoryEstimate], goal: int) -> None:
+        """Smaller chunks for each loop of this plan that XLA's plan of an earlier compile
+        peaked in, by what XLA held there in chunk-sized buffers.
+
+        The static estimate of a loop body is not XLA's: XLA updates an accumulator in
+        place and keeps several chunk-sized temporaries at once (GPflow's SGPR gradient,
+        N=100,000, M=5,000: the body's [M, M] product and four whole matrices around the
+        loop, and five [5000, 1250] chunks). Where XLA peaked `excess` bytes over `goal`
+        (XLA's share of the budget) inside a loop, and buffers with the loop's chunk
+        length as a dimension took `chunked` bytes there, the loop is emitted again in
+        chunks `(chunked - excess) / chunked` as long (with the planning margin). The
+        caller compiles the result and keeps it only if XLA's plan then fits better.
+        """
+        for peak in peaks:
+            loop = self._loop_running(graph_node_for(self.graph, peak.peak_node or ""))
+            if loop is None:
+                continue
+            excess = peak.peak_bytes - goal
+            chunked = sum(t.nbytes for t in peak.live_at_peak if loop.chunk in t.shape)
+            chunk = math.floor(loop.chunk * (chunked - excess) / chunked * _CHUNK_MARGIN) if chunked else 0
+            where = (f"XLA peaks in loop {loop.scope} ({loop.chunks} chunks of {loop.chunk}) at "
+                     f"{format_size(peak.peak_bytes)}, {format_size(max(0, excess))} over its share "
+                     f"{format_size(goal)}, with {format_size(chunked)} in chunk-sized buffers")
+            if excess <= 0 or not 1 <= chunk < loop.chunk:
+                self.records.append(RewriteRecord(self.pass_name, XLA_SHRINK_RULE, "rejected", (loop.scope,),
+                                                  f"{where}: smaller chunks would not take off enough", kind="split"))
+                continue
+            checkpoint = self._checkpoint()
+            try:
+                new = self.rechunk(loop, chunk)
+            except GraphError as err:
+                self._rollback(checkpoint)
+                self.records.append(RewriteRecord(self.pass_name, XLA_SHRINK_RULE, "rejected", (loop.scope,),
+                                                  f"{where}: could not emit it again ({first_line(err)})", kind="split"))
+                continue
+            self.records.append(RewriteRecord(
+                self.pass_name, XLA_SHRINK_RULE, "fired", (loop.scope,), kind="split",
+                reason=f"{where}: now {new.chunks} chunks of {new.chunk}",
+                details={"loop": loop.scope, "chunk_before": loop.chunk, "chunk": new.chunk,
+                         "xla_peak_bytes": peak.peak_bytes, "chunked_bytes": chunked}))
 
     def _blocking_reason(self, estimate: MemoryEstimate, plan: int) -> str:
         """Why the peak stays over the plan: the largest tensor there, its op and why it stays."""

@@ -1,7 +1,10 @@
 """The budget planner: `memory_budget` alone splits, sizes chunks to fit, and says when it cannot."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,7 +13,10 @@ import tensorflow as tf
 import tfmem
 from rewrites.split.planner import Planner
 from tfmem.budget import PLANNING_FRACTION
-from tfmem.memory import estimate_memory
+from tfmem.graph import Graph
+from tfmem.memory import LiveTensor, MemoryEstimate, estimate_memory
+from tfmem.report import XLA_SHRINK_RULE
+from tfmem.testing import run_graph
 
 N = 1500  # [N, N] float64: 17.2 MiB
 
@@ -63,6 +69,52 @@ def test_a_loop_at_the_peak_is_shrunk_until_it_fits(kernel_inputs) -> None:
     assert shrunk.chunks > 2
     (record,) = [r for r in planner.records if r.kind == "split"]
     assert record.details["chunks"] == shrunk.chunks  # the record follows the re-chunking
+
+
+def _planned_in_chunks(x, v, chunks: int) -> tuple[Planner, Any]:
+    concrete = tf.function(kernel_times).get_concrete_function(x, v)
+    graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
+    planner = Planner("split", graph)
+    planner.split_all(threshold=N * N * 8 // 2, split_size=N * N * 8 // chunks)
+    return planner, concrete
+
+
+def _xla_peak_in(loop, chunk_buffers: int, rest: int) -> MemoryEstimate:
+    """What XLA's plan might show: its peak inside `loop`'s body, with `chunk_buffers`
+    buffers of one chunk [N, chunk] and `rest` bytes of whole matrices."""
+    chunked = tuple(LiveTensor(f"XLA's fusion.{i}", N * loop.chunk * 8, (N, loop.chunk), "float64")
+                    for i in range(chunk_buffers))
+    whole = (LiveTensor("tfmem_step/x", rest, (rest // 8,), "float64"),)
+    return MemoryEstimate(peak_bytes=N * loop.chunk * 8 * chunk_buffers + rest,
+                          peak_node=f"tfmem_step/{loop.scope}/while (chunk/Exp)", live_at_peak=chunked + whole)
+
+
+def test_a_loop_xla_peaks_in_takes_the_smaller_chunks_xla_asks_for(kernel_inputs) -> None:
+    planner, concrete = _planned_in_chunks(*kernel_inputs, chunks=4)
+    (loop,) = planner.loops
+    peak = _xla_peak_in(loop, chunk_buffers=5, rest=2**20)
+    over = int(1.5 * N * loop.chunk * 8)  # 1.5 of its 5 chunk-sized buffers too many
+    planner.shrink_at_xla_peaks([peak], goal=peak.peak_bytes - over)
+    (shrunk,) = planner.loops
+    assert shrunk.chunk <= math.floor(loop.chunk * 3.5 / 5 * 0.9) and shrunk.chunks > loop.chunks, (loop, shrunk)
+    (fired,) = [r for r in planner.records if r.rule == XLA_SHRINK_RULE]
+    assert fired.status == "fired" and fired.details["chunk"] == shrunk.chunk, fired
+    assert f"XLA peaks in loop {loop.scope} ({loop.chunks} chunks of {loop.chunk})" in fired.reason
+    [got] = run_graph(planner.graph, concrete, list(kernel_inputs))
+    np.testing.assert_allclose(got, kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
+def test_a_loop_xla_peaks_in_is_left_when_smaller_chunks_cannot_take_off_enough(kernel_inputs) -> None:
+    planner, _ = _planned_in_chunks(*kernel_inputs, chunks=4)
+    (loop,) = planner.loops
+    peak = _xla_peak_in(loop, chunk_buffers=2, rest=64 * 2**20)  # over by more than all its chunks
+    planner.shrink_at_xla_peaks([peak], goal=peak.peak_bytes - 3 * N * loop.chunk * 8)
+    assert planner.loops == [loop]
+    (rejected,) = [r for r in planner.records if r.rule == XLA_SHRINK_RULE]
+    assert rejected.status == "rejected" and rejected.reason.endswith("smaller chunks would not take off enough")
+    # An XLA peak outside every loop of the plan leaves the plan as it is, without a word.
+    planner.shrink_at_xla_peaks([dataclasses.replace(peak, peak_node="tfmem_step/MatMul")], goal=0)
+    assert planner.loops == [loop] and len([r for r in planner.records if r.rule == XLA_SHRINK_RULE]) == 1
 
 
 def test_a_budget_that_cannot_be_met_is_loud_and_names_what_blocks_it(rng: np.random.Generator) -> None:
