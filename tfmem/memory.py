@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 
 # Inputs of the program: resident before the first op runs and until the last.
 RESIDENT_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "_Arg", "HostConst"})
+_ARG_OPS = frozenset({"Placeholder", "_Arg"})
+WHILE_LOOP_OPS = frozenset({"While", "StatelessWhile"})
+# Ops that write their result into their first input's buffer when nothing reads that
+# input after them, as XLA does (a scatter-add into an accumulator's row block).
+IN_PLACE_UPDATE_OPS = frozenset({"TensorScatterAdd", "TensorScatterSub", "TensorScatterUpdate",
+                                 "TensorScatterMax", "TensorScatterMin"})
 # attr name → which node inputs are that function's arguments.
 _FUNCTION_ATTRS = {"body": 0, "cond": 0, "then_branch": 1, "else_branch": 1, "f": 0,
                    "branches": 1}
@@ -169,12 +175,15 @@ def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
 # (function name, argument shapes) → (peak bytes beyond its arguments, unknown tensors).
 # Library function names are unique in a process, and estimating a body means importing
 # it into a scratch graph: every estimate of a graph with loops would pay that again.
-_FUNCTION_BYTES: dict[tuple[str, tuple[Any, ...]], tuple[int, tuple[str, ...]]] = {}
+_FUNCTION_BYTES: dict[tuple[str, tuple[Any, ...], bool], tuple[int, tuple[str, ...]]] = {}
 
 
 class _Estimator:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, *, loop_body: bool = False) -> None:
         self.graph = graph
+        # A while loop's body: XLA updates its state in place, so an argument may be
+        # written over by an update (`IN_PLACE_UPDATE_OPS`) as any dead buffer may.
+        self.loop_body = loop_body
         self.unknown: list[str] = []
         self._function_cache = _FUNCTION_BYTES
         self._sizes: dict[TensorRef, int] = {}  # the schedule and the sweep both ask
@@ -205,10 +214,21 @@ class _Estimator:
         size: dict[TensorRef, int] = {}
         alloc: dict[TensorRef, int] = {}
         last_use: dict[TensorRef, int] = {}
+        last_read = {}  # tensor → the step of its last reader (for updates in place)
+        for name in order:
+            for ref in graph.inputs(name):
+                last_read[ref] = step[name]
         for name in order:
             node = graph.node(name)
             inputs = graph.inputs(name)
             passed = while_passthrough(graph, name)
+            if node.op in IN_PLACE_UPDATE_OPS and inputs and (alloc.get(buffer_of[inputs[0]], 0) > 0 or self.loop_body
+                                                               and graph.node(buffer_of[inputs[0]].node).op in _ARG_OPS) and all(
+                    last_read.get(ref, -1) <= step[name] for ref, b in buffer_of.items() if b == buffer_of[inputs[0]]):
+                buffer_of[TensorRef(name)] = buffer_of[inputs[0]]  # nothing reads the old value after
+                for ref in inputs:
+                    last_use[buffer_of[ref]] = max(last_use[buffer_of[ref]], step[name])
+                continue
             for index in range(len(graph.output_specs(name))):
                 ref = TensorRef(name, index)
                 if graph.aliases_input(name) and inputs or index in passed:
@@ -287,29 +307,29 @@ class _Estimator:
     def _nested_bytes(self, name: str) -> int:
         """Peak bytes of the functions a node calls, beyond the arguments it passes them."""
         node = self.graph.node(name)
-        called: list[tuple[str, int]] = []
+        called: list[tuple[str, int, bool]] = []
         if self.graph.function(node.op) is not None:
-            called.append((node.op, 0))
+            called.append((node.op, 0, False))
         for attr, first_arg in _FUNCTION_ATTRS.items():
             if attr not in node.attr:
                 continue
             value = node.attr[attr]
             if value.HasField("func"):
-                called.append((value.func.name, first_arg))
-            called.extend((f.name, first_arg) for f in value.list.func)
-        return max((self._function_bytes(fn, self.graph.inputs(name)[first:])
-                    for fn, first in called), default=0)
+                called.append((value.func.name, first_arg, attr == "body" and node.op in WHILE_LOOP_OPS))
+            called.extend((f.name, first_arg, False) for f in value.list.func)
+        return max((self._function_bytes(fn, self.graph.inputs(name)[first:], loop_body=body)
+                    for fn, first, body in called), default=0)
 
-    def _function_bytes(self, function_name: str, args: list[TensorRef]) -> int:
+    def _function_bytes(self, function_name: str, args: list[TensorRef], *, loop_body: bool = False) -> int:
         shapes = tuple(tuple(self.graph.spec(a).shape.as_list()) if self.graph.spec(a).shape.rank
                        is not None else None for a in args)
-        key = (function_name, shapes)
+        key = (function_name, shapes, loop_body)
         if key not in self._function_cache:
             self._function_cache[key] = (0, ())  # guards against recursion
             try:
                 body = function_graph(self.graph, function_name, [self.graph.spec(a).shape for a in args],
                                       list_element_shapes(self.graph, args))
-                inner = _Estimator(body)
+                inner = _Estimator(body, loop_body=loop_body)
                 estimate = inner.run()
                 arg_bytes = sum(inner._bytes(TensorRef(n.name)) for n in body.find("Placeholder"))
                 self._function_cache[key] = (max(0, estimate.peak_bytes - arg_bytes),

@@ -11,6 +11,14 @@ for one chunk. The loop imports that fragment once per chunk — the same
 Sinks combine by their op's combiner (add partial sums and products, max/min, a running
 top-k merge, arg-max/arg-min with values); written-out tensors go into a TensorArray
 and are concatenated. Everything is static-shaped, so the loop compiles under XLA.
+
+A large matrix product summed over the chunks (`acc += a_c b_c`, GPflow SGPR's
+`A Aᵀ` and its gradient's products, [M, M]) is not formed whole in the body: the
+accumulator is kept as row blocks and each block's product is added in place, each
+after the previous block's update (`order.computed_after`), so the body holds one
+block of the product beside the accumulator, not a whole second [M, M]:
+
+    acc[j] += a_c[rows j] · b_c      for j = 1 … k     (tensor_scatter_nd_add)
 """
 from __future__ import annotations
 
@@ -24,14 +32,22 @@ from tfmem.graph import Graph, TensorRef
 from rewrites.split.fragment import Fragment, fragment
 from rewrites.split.regions import Feed, SliceRegion
 from rewrites.split.op_rules import chunk_patches
+from rewrites.split.order import computed_after
 
 _SMALL_CONSTANT_BYTES = 1 << 16
+# A summed product at least this large is accumulated in row blocks (see the module
+# docstring): below it, a whole product per chunk costs less than the blocks' extra ops.
+BLOCKED_PRODUCT_BYTES = 8 << 20
+# How many row blocks, in order of preference: the first that divides the rows.
+_ROW_BLOCKS = (4, 5, 6, 3, 8, 2)
 
 
-def _fragment(graph: Graph, region: SliceRegion, feeds: Sequence[Feed], chunk: int) -> Fragment:
-    """The region's nodes as a fragment for one chunk of length `chunk`."""
+def _fragment(graph: Graph, region: SliceRegion, feeds: Sequence[Feed], chunk: int,
+              exclude: frozenset[str] = frozenset()) -> Fragment:
+    """The region's nodes (but `exclude`) as a fragment for one chunk of length `chunk`."""
     constants: dict[tuple[str, int], np.ndarray] = {}
-    for name in region.nodes:
+    nodes = [name for name in region.nodes if name not in exclude]
+    for name in nodes:
         in_axes = {}
         for position, ref in enumerate(graph.inputs(name)):
             feed = region.feed_of(name, position, ref)
@@ -42,7 +58,24 @@ def _fragment(graph: Graph, region: SliceRegion, feeds: Sequence[Feed], chunk: i
         constants.update(((name, position), value) for position, value in patches.items())
     # Shape arguments must stay constants, or shape inference loses dimensions.
     inline = [feed for feed in feeds if feed.axis is None and is_small_constant(graph, feed.ref)]
-    return fragment(graph, region.nodes, feed=region.feed_of, constants=constants, inline=inline)
+    return fragment(graph, nodes, feed=region.feed_of, constants=constants, inline=inline)
+
+
+def row_blocks(graph: Graph, region: SliceRegion, name: str) -> int:
+    """Into how many row blocks the sum of sink `name`'s chunk products is accumulated:
+    more than 1 for a 2-D `MatMul` summed over the chunks whose product is at least
+    `BLOCKED_PRODUCT_BYTES`, read by nothing else in the region, with rows that divide
+    evenly; else 1 (a whole product per chunk)."""
+    node = graph.node(name)
+    if region.sinks.get(name) != "sum" or node.op != "MatMul":
+        return 1
+    out = TensorRef(name)
+    shape = graph.spec(out).shape
+    if shape.rank != 2 or not shape.is_fully_defined() or (graph.nbytes(out) or 0) < BLOCKED_PRODUCT_BYTES:
+        return 1
+    if any(ref.node == name for reader in region.nodes for ref in graph.inputs(reader)):
+        return 1
+    return next((k for k in _ROW_BLOCKS if shape[0] % k == 0), 1)
 
 
 def is_small_constant(graph: Graph, ref: TensorRef) -> bool:
@@ -110,6 +143,14 @@ class _Combiner:
         self.sorted = node.attr["sorted"].b if "sorted" in node.attr else True
         self.specs = graph.output_specs(name)
         self.source_dtype = graph.spec(self.source).dtype
+        # A product summed in row blocks: the fragment returns its operands, not the product.
+        self.blocks = row_blocks(graph, region, name)
+        self.operands = graph.inputs(name)[:2] if self.blocks > 1 else []
+        self.transposes = (node.attr["transpose_a"].b, node.attr["transpose_b"].b) if self.blocks > 1 else (False, False)
+
+    def _blocked_shape(self) -> list[int]:
+        rows, cols = self.specs[0].shape.as_list()
+        return [self.blocks, rows // self.blocks, cols]
 
     def initial(self) -> list[tf.Tensor]:
         """The accumulators before the first chunk: the identity of the merge (for the
@@ -118,6 +159,8 @@ class _Combiner:
             return tf.fill(spec.shape.as_list(), tf.constant(value, spec.dtype))
 
         kind, (out, *_) = self.kind, self.specs
+        if self.blocks > 1:
+            return [tf.zeros(self._blocked_shape(), out.dtype)]
         if kind in ("sum", "mean"):
             return [filled(out, 0)]
         if kind in ("max", "min"):
@@ -146,8 +189,18 @@ class _Combiner:
             return [reduce(source, axis=self.axis), indices + tf.cast(start, indices.dtype)]
         return list(outputs)
 
+    def start(self, partial: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The accumulators from the first chunk's partial results (a peeled chunk)."""
+        if self.blocks > 1:
+            a, b = partial
+            ta, tb = self.transposes
+            return [tf.reshape(tf.matmul(a, b, transpose_a=ta, transpose_b=tb), self._blocked_shape())]
+        return partial
+
     def merge(self, acc: list[tf.Tensor], new: list[tf.Tensor]) -> list[tf.Tensor]:
         kind = self.kind
+        if self.blocks > 1:
+            return [self._add_by_rows(acc[0], *new)]
         if kind in ("sum", "mean"):
             return [acc[0] + new[0]]
         if kind in ("max", "min", "prod"):
@@ -164,7 +217,22 @@ class _Combiner:
             return [best.values, tf.gather(indices, best.indices, batch_dims=indices.shape.rank - 1)]
         raise AssertionError(f"unknown combine {kind}")
 
+    def _add_by_rows(self, acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+        """`acc + a·b` (with the sink's transposes), one block of rows at a time, each
+        block's product made after the previous block was added (so XLA holds one)."""
+        ta, tb = self.transposes
+        rows = acc.shape[1]
+        for j in range(self.blocks):
+            block = a[:, j * rows:(j + 1) * rows] if ta else a[j * rows:(j + 1) * rows]
+            if j:
+                [block] = computed_after(acc, block)
+            product = tf.matmul(block, b, transpose_a=ta, transpose_b=tb)
+            acc = tf.tensor_scatter_nd_add(acc, [[j]], product[None])
+        return acc
+
     def finish(self, acc: list[tf.Tensor]) -> list[tf.Tensor]:
+        if self.blocks > 1:
+            return [tf.reshape(acc[0], self.specs[0].shape)]
         return acc[1:] if self.kind in ("argmax", "argmin") else acc
 
 
@@ -210,22 +278,32 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
     out_axes = [region.axes[ref] for ref in write_outs]
     sink_names = list(region.sinks)
     combiners = {name: _Combiner(graph, region, name) for name in sink_names}
+    blocked = frozenset(n for n in sink_names if combiners[n].blocks > 1)
+    # A blocked sum's operands come from the fragment, or straight from its feeds.
+    operand_feeds = {(n, position): region.feed_of(n, position, ref)
+                     for n in blocked for position, ref in enumerate(combiners[n].operands)}
     sources = [combiners[n].source for n in sink_names if combiners[n].kind in ("argmax", "argmin")]
-    returns = write_outs + [TensorRef(n, i) for n in sink_names for i in range(combiners[n].outputs)]
-    returns += sources
+    sink_returns = {n: [ref for position, ref in enumerate(combiners[n].operands) if operand_feeds[n, position] is None]
+                    if n in blocked else [TensorRef(n, i) for i in range(combiners[n].outputs)] for n in sink_names}
+    returns = write_outs + [ref for n in sink_names for ref in sink_returns[n]] + sources
     full, remainder = divmod(region.size, chunk)
-    fragments = {length: _fragment(graph, region, feeds, length) for length in {chunk, remainder} if length}
+    fragments = {length: _fragment(graph, region, feeds, length, exclude=blocked)
+                 for length in {chunk, remainder} if length}
 
     def run_chunk(tensors: Sequence[tf.Tensor], start: Any, length: int) -> tuple[list, list[list]]:
         fragment = fragments[length]
         # tf.identity captures a whole input into the loop body (import needs local tensors).
-        # Only inputs the fragment reads are fed (a patched shape constant is no longer read).
+        # Only inputs the fragment (or a blocked sum) reads are fed (a patched shape
+        # constant is no longer read).
+        wanted = set(fragment.feeds) | {feed for feed in operand_feeds.values() if feed is not None}
         values = {feed: tf.identity(t) if feed.axis is None else _slice_along(t, feed.axis, start, length)
-                  for feed, t in zip(feeds, tensors) if feed in fragment.feeds}
+                  for feed, t in zip(feeds, tensors) if feed in wanted}
         results = fragment.import_into(values, returns, name="chunk")
         written = results[:len(write_outs)]
         rest = iter(results[len(write_outs):])
-        sink_outputs = {n: [next(rest) for _ in range(combiners[n].outputs)] for n in sink_names}
+        sink_outputs = {n: [values[operand_feeds[n, position]] if operand_feeds[n, position] is not None
+                            else next(rest) for position in range(len(combiners[n].operands))]
+                        if n in blocked else [next(rest) for _ in range(combiners[n].outputs)] for n in sink_names}
         source_values = dict(zip([n for n in sink_names if combiners[n].kind in ("argmax", "argmin")], rest))
         partials = [combiners[n].partial(sink_outputs[n], source_values.get(n), start, length)
                     for n in sink_names]
@@ -247,9 +325,11 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
         first = 0  # the first full chunk the loop computes
         last_written: list[tf.Tensor] = []
         if peel and remainder:
-            last_written, acc = run_chunk(tensors, full * chunk, remainder)
+            last_written, partials = run_chunk(tensors, full * chunk, remainder)
+            acc = [combiners[n].start(p) for n, p in zip(sink_names, partials)]
         elif peel:
-            written, acc = run_chunk(tensors, 0, chunk)
+            written, partials = run_chunk(tensors, 0, chunk)
+            acc = [combiners[n].start(p) for n, p in zip(sink_names, partials)]
             arrays = [ta.write(0, _to_front(w, a)) for ta, w, a in zip(arrays, written, out_axes)]
             first = 1
         else:

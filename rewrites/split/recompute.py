@@ -12,7 +12,7 @@ inputs (its *cone*) — the late readers get their own copy, made just before th
     g = Σ dK ⊙ K                         Z′ = Z − 0·(dK₀ ≠ dK₀);  g = Σ dK ⊙ k(Z′, Z′)
 
 The copy reads its leaves through a subtraction of an exact zero computed from an input
-of the first late reader (`dK`; see `_after`): it cannot be made before that input
+of the first late reader (`dK`; see `order.computed_after`): it cannot be made before that input
 exists, and XLA cannot merge it back into the original (its common-subexpression pass
 sees other operands). The split planner does this (`Planner._recompute_later`) for a tensor held
 across the static peak, and keeps it only when the peak falls; the copy's readers may
@@ -46,6 +46,7 @@ from tfmem.report import XLA_PEAK_RULE
 
 from rewrites.split.cone import Cone, grow_cone
 from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
+from rewrites.split.order import computed_after
 
 RECOMPUTE_RULE = "RecomputeForLateReaders"
 # Ops whose cost is proportional to what they read or write: recomputing them costs about
@@ -156,27 +157,6 @@ def _tie(graph: Graph, cone: Cone, first_reader: str, position: dict[str, int]) 
     return max(candidates, key=lambda ref: position.get(ref.node, -1), default=None)
 
 
-def _after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
-    """`leaves`, bit for bit, as values computed from `tie`.
-
-    `leaf - zero`, where `zero` is `0.0 × (tie₀ ≠ tie₀)`: 0 × 0 or 0 × 1, so +0.0
-    whatever `tie₀` holds (NaN included), and `x - (+0.0)` is `x` for every float (−0.0
-    too). XLA cannot fold it (the comparison is false only for numbers it does not know),
-    so the copy can neither run before `tie` nor be merged back into the original.
-    (`XlaOptimizationBarrier` is no substitute: XLA's CPU pipeline removes barriers before
-    its common-subexpression pass.)
-    """
-    first = tf.reshape(tie, [-1])[0]
-    unknown = tf.math.not_equal(first, first)
-    passed = []
-    for leaf in leaves:
-        if leaf.dtype.is_floating:
-            passed.append(leaf - tf.cast(unknown, leaf.dtype) * tf.constant(0.0, leaf.dtype))
-        else:
-            passed.append(leaf)
-    return passed
-
-
 def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
                   estimate: MemoryEstimate | None = None, *, tie: TensorRef | None = None) -> TensorRef:
     """Makes a copy of `cone` for `readers` (see the module docstring), after `tie`, or
@@ -196,7 +176,7 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     if not any(graph.spec(leaf).dtype.is_floating for leaf in cone.leaves):
         raise GraphError(f"{cone.tensor.name} is made from no floating-point tensor: nothing orders a copy")
     leaves = list(cone.leaves)
-    passed = graph.splice(_after, [tie, *leaves], scope="tfmem_recompute_after")
+    passed = graph.splice(computed_after, [tie, *leaves], scope="tfmem_recompute_after")
     scope = graph.unique_scope("tfmem_recompute")
     renamed = {name: f"{scope}/{name}" for name in cone.nodes}
     leaf_of = dict(zip(leaves, passed))

@@ -373,3 +373,42 @@ def test_even_chunk_divides_the_length_when_a_quarter_smaller_does(size, chunk, 
     from rewrites.split.loops import even_chunk
 
     assert even_chunk(size, chunk) == even
+
+
+# --- A large product summed over the chunks, accumulated in row blocks (`loops.row_blocks`) ---
+
+def projected_gram(z, x):
+    """Σ over X of K(Z, X) K(Z, X)ᵀ, weighted: the [M, M] product a split over X sums
+    chunk by chunk (GPflow SGPR's A Aᵀ, in small)."""
+    def kernel(a, b):
+        sq = tf.reduce_sum(a * a, 1)[:, None] + tf.reduce_sum(b * b, 1)[None, :]
+        return tf.exp(-0.5 * (sq - 2.0 * tf.matmul(a, b, transpose_b=True)))
+
+    k = kernel(z, x)
+    return tf.reduce_sum(tf.matmul(k, k, transpose_b=True) * kernel(z, z))
+
+
+def _loop_ops(report: Any) -> set[str]:
+    return {node.op for function in report.rewritten_graph_def.library.function for node in function.node_def}
+
+
+@pytest.mark.parametrize("m", [1100, 1200])  # 1100 rows split in 5 blocks, 1200 in 4
+def test_a_summed_product_is_added_in_row_blocks_and_xla_holds_one_block(m: int, rng: np.random.Generator,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rewrites.split import loops
+
+    z, x = tf.constant(rng.normal(size=(m, 3))), tf.constant(rng.normal(size=(12_000, 3)))
+    product = m * m * 8  # 9.2 / 11.0 MiB: over BLOCKED_PRODUCT_BYTES
+    config = Config(memory_budget=f"{int(5 * product)}B")
+    blocked = tfmem.function(projected_gram, config=config)
+    report = blocked.report(z, x)
+    assert report.splits and "TensorScatterAdd" in _loop_ops(report), report.summary()
+    want = float(tf.function(projected_gram, jit_compile=True)(z, x))
+    assert float(blocked(z, x)) == pytest.approx(want, rel=1e-12)
+    # The same plan with the product formed whole in every trip: XLA holds most of a
+    # product more (the blocks' ties keep XLA from making all blocks at once).
+    monkeypatch.setattr(loops, "BLOCKED_PRODUCT_BYTES", 1 << 60)
+    whole = tfmem.function(projected_gram, config=config).report(z, x)
+    assert "TensorScatterAdd" not in _loop_ops(whole)
+    assert report.xla_bytes_after <= whole.xla_bytes_after - product / 2, (report.xla_bytes_after / product,
+                                                                          whole.xla_bytes_after / product)

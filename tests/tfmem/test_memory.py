@@ -210,3 +210,18 @@ def test_a_tensor_held_to_the_end_says_so() -> None:
     graph = graph_of(lambda x: (tf.exp(x), tf.reduce_sum(tf.sin(x))), tf.TensorSpec([1000], tf.float64))
     (output,) = [t for t in estimate_memory(graph).live_at_peak if t.op == "Exp"]
     assert output.held_for == "" and output.why().endswith("held to the end")
+
+
+def test_a_scatter_update_writes_into_its_dead_operand_as_xla_does() -> None:
+    def accumulate(x):  # [4, 256, 1024] f64 = 8 MiB, updated block by block
+        acc = x * 2.0
+        for j in range(4):
+            acc = tf.tensor_scatter_nd_add(acc, [[j]], acc[j:j + 1] * 2.0)
+        return tf.reduce_sum(acc)
+
+    graph = tfmem.TfmemFunction(accumulate).trace(tf.ones([4, 256, 1024], tf.float64)).graph
+    estimate = estimate_memory(graph)
+    block, whole = 256 * 1024 * 8, 4 * 256 * 1024 * 8
+    # The input, the accumulator and one block's update (a slice and its double): not a
+    # new accumulator per update (that would be 3 whole at the first scatter).
+    assert estimate.peak_bytes < 2 * whole + 3 * block, estimate.peak_bytes / whole

@@ -1,0 +1,37 @@
+"""Order without control edges: a value XLA must compute after another.
+
+XLA schedules by data alone: TensorFlow's control edges do not reach it, and its CPU
+pipeline removes `XlaOptimizationBarrier`s before common-subexpression elimination. A
+data dependency that changes no bit is what orders a copy after the peak it must not
+precede (`rewrites.split.recompute`) and each row block of a product after the previous
+block's update (`rewrites.split.loops`).
+
+Example:
+    >>> x, y = tf.constant([1.0, -0.0]), tf.constant([3.0])
+    >>> [after] = computed_after(y, x)
+    >>> after.numpy().tolist() == x.numpy().tolist()
+    True
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def computed_after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
+    """`leaves`, bit for bit, as values computed from `tie`.
+
+    `leaf - zero`, where `zero` is `0.0 × (tie₀ ≠ tie₀)`: 0 × 0 or 0 × 1, so +0.0
+    whatever `tie₀` holds (NaN included), and `x - (+0.0)` is `x` for every float (−0.0
+    too). XLA cannot fold it (the comparison is false only for numbers it does not know),
+    so what reads the result can neither run before `tie` nor be merged with what reads
+    the leaf itself. Non-float leaves pass unchanged.
+    """
+    first = tf.reshape(tie, [-1])[0]
+    unknown = tf.math.not_equal(first, first)
+    passed = []
+    for leaf in leaves:
+        if leaf.dtype.is_floating:
+            passed.append(leaf - tf.cast(unknown, leaf.dtype) * tf.constant(0.0, leaf.dtype))
+        else:
+            passed.append(leaf)
+    return passed
