@@ -163,8 +163,11 @@ ROUNDING_NOISE_ULPS = 1000
 # A program whose answer amplifies rounding (conjugate gradients, Lanczos: ill-conditioned
 # and stopped early) differs between stock TensorFlow's kernels and stock XLA by more
 # than its rtol; tfmem's answer counts as equal within `SPREAD_FACTOR` times that spread,
-# and never beyond `SPREAD_LIMIT` times the rtol.
-SPREAD_FACTOR = 2.0
+# and never beyond `SPREAD_LIMIT` times the rtol. That spread is one sample of how far
+# another summation order moves the answer, not a bound: 15 CG steps on (K + ½I) α = y
+# at n=1,000, TensorFlow 7.2e-5 from XLA, two tfmem plans of it 6.4e-5 and 2.6e-4
+# (chunked K·p, the same budget, plans that differ by the allocator's state).
+SPREAD_FACTOR = 4.0
 SPREAD_LIMIT = 1e5
 
 
