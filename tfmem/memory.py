@@ -161,7 +161,7 @@ def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
     they came; the loop's outputs then share their buffers and allocate nothing.
     """
     node = graph.node(name)
-    if node.op not in ("While", "StatelessWhile") or graph.function(node.attr["body"].func.name) is None:
+    if node.op not in WHILE_LOOP_OPS or graph.function(node.attr["body"].func.name) is None:
         return {}
     body = graph.function(node.attr["body"].func.name)
     producers = {n.name: n for n in body.node_def}
@@ -214,17 +214,23 @@ class _Estimator:
         size: dict[TensorRef, int] = {}
         alloc: dict[TensorRef, int] = {}
         last_use: dict[TensorRef, int] = {}
-        last_read = {}  # tensor → the step of its last reader (for updates in place)
-        for name in order:
-            for ref in graph.inputs(name):
-                last_read[ref] = step[name]
+        last_read: dict[TensorRef, int] = {}  # tensor → its last reader's step (asked by updates in place)
+        if any(graph.node(name).op in IN_PLACE_UPDATE_OPS for name in order):
+            for name in order:
+                last_read.update((ref, step[name]) for ref in graph.inputs(name))
+
+        def overwrites(name: str, target: TensorRef) -> bool:
+            """Whether update `name` may write into `target`'s buffer: the buffer is the
+            program's own (or, in a loop body, its state) and nothing reads it after."""
+            buffer = buffer_of[target]
+            owned = alloc.get(buffer, 0) > 0 or self.loop_body and graph.node(buffer.node).op in _ARG_OPS
+            return owned and all(last_read.get(ref, -1) <= step[name] for ref, b in buffer_of.items() if b == buffer)
+
         for name in order:
             node = graph.node(name)
             inputs = graph.inputs(name)
             passed = while_passthrough(graph, name)
-            if node.op in IN_PLACE_UPDATE_OPS and inputs and (alloc.get(buffer_of[inputs[0]], 0) > 0 or self.loop_body
-                                                               and graph.node(buffer_of[inputs[0]].node).op in _ARG_OPS) and all(
-                    last_read.get(ref, -1) <= step[name] for ref, b in buffer_of.items() if b == buffer_of[inputs[0]]):
+            if node.op in IN_PLACE_UPDATE_OPS and inputs and overwrites(name, inputs[0]):
                 buffer_of[TensorRef(name)] = buffer_of[inputs[0]]  # nothing reads the old value after
                 for ref in inputs:
                     last_use[buffer_of[ref]] = max(last_use[buffer_of[ref]], step[name])
@@ -390,7 +396,7 @@ def _list_element_shape(graph: Graph, ref: TensorRef, depth: int) -> tf.TensorSh
         if value is None or value.ndim != 1 or (value < 0).any():
             return None
         return tf.TensorShape([int(v) for v in value])
-    if node.op in ("While", "StatelessWhile") and _body_updates_list(graph, ref.node, ref.index):
+    if node.op in WHILE_LOOP_OPS and _body_updates_list(graph, ref.node, ref.index):
         return _list_element_shape(graph, graph.inputs(ref.node)[ref.index], depth + 1)
     return None
 

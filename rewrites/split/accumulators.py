@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmem.graph import Graph, GraphError, TensorRef
-from tfmem.memory import loop_function_graph, while_passthrough
+from tfmem.memory import WHILE_LOOP_OPS, loop_function_graph, while_passthrough
 
 from rewrites.split.rebuild import Extras, rebuild_while
 
@@ -129,7 +129,7 @@ def _value_bound(graph: Graph, ref: TensorRef, depth: int) -> int | None:
     if value is not None:
         return value
     node = graph.node(ref.node)
-    if node.op in ("While", "StatelessWhile") and _is_counter(graph, ref.node, ref.index):
+    if node.op in WHILE_LOOP_OPS and _is_counter(graph, ref.node, ref.index):
         start, trips = _int_constant(graph, graph.inputs(ref.node)[ref.index]), _trip_bound(graph, ref.node, depth + 1)
         if start is not None and trips is not None:
             return start + trips

@@ -145,8 +145,12 @@ class _Combiner:
         self.source_dtype = graph.spec(self.source).dtype
         # A product summed in row blocks: the fragment returns its operands, not the product.
         self.blocks = row_blocks(graph, region, name)
-        self.operands = graph.inputs(name)[:2] if self.blocks > 1 else []
         self.transposes = (node.attr["transpose_a"].b, node.attr["transpose_b"].b) if self.blocks > 1 else (False, False)
+        # What each chunk hands `partial`: the sink's outputs from the fragment, or for a
+        # blocked sum its operands, each a fragment tensor or a feed of the loop.
+        self.reads: list[TensorRef | Feed] = (
+            [region.feed_of(name, position, ref) or ref for position, ref in enumerate(graph.inputs(name)[:2])]
+            if self.blocks > 1 else [TensorRef(name, i) for i in range(self.outputs)])
 
     def _blocked_shape(self) -> list[int]:
         rows, cols = self.specs[0].shape.as_list()
@@ -279,13 +283,9 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
     sink_names = list(region.sinks)
     combiners = {name: _Combiner(graph, region, name) for name in sink_names}
     blocked = frozenset(n for n in sink_names if combiners[n].blocks > 1)
-    # A blocked sum's operands come from the fragment, or straight from its feeds.
-    operand_feeds = {(n, position): region.feed_of(n, position, ref)
-                     for n in blocked for position, ref in enumerate(combiners[n].operands)}
+    sink_reads = [read for n in sink_names for read in combiners[n].reads]
     sources = [combiners[n].source for n in sink_names if combiners[n].kind in ("argmax", "argmin")]
-    sink_returns = {n: [ref for position, ref in enumerate(combiners[n].operands) if operand_feeds[n, position] is None]
-                    if n in blocked else [TensorRef(n, i) for i in range(combiners[n].outputs)] for n in sink_names}
-    returns = write_outs + [ref for n in sink_names for ref in sink_returns[n]] + sources
+    returns = write_outs + [read for read in sink_reads if isinstance(read, TensorRef)] + sources
     full, remainder = divmod(region.size, chunk)
     fragments = {length: _fragment(graph, region, feeds, length, exclude=blocked)
                  for length in {chunk, remainder} if length}
@@ -295,15 +295,14 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
         # tf.identity captures a whole input into the loop body (import needs local tensors).
         # Only inputs the fragment (or a blocked sum) reads are fed (a patched shape
         # constant is no longer read).
-        wanted = set(fragment.feeds) | {feed for feed in operand_feeds.values() if feed is not None}
+        wanted = set(fragment.feeds) | {read for read in sink_reads if isinstance(read, Feed)}
         values = {feed: tf.identity(t) if feed.axis is None else _slice_along(t, feed.axis, start, length)
                   for feed, t in zip(feeds, tensors) if feed in wanted}
         results = fragment.import_into(values, returns, name="chunk")
         written = results[:len(write_outs)]
         rest = iter(results[len(write_outs):])
-        sink_outputs = {n: [values[operand_feeds[n, position]] if operand_feeds[n, position] is not None
-                            else next(rest) for position in range(len(combiners[n].operands))]
-                        if n in blocked else [next(rest) for _ in range(combiners[n].outputs)] for n in sink_names}
+        sink_outputs = {n: [values[read] if isinstance(read, Feed) else next(rest) for read in combiners[n].reads]
+                        for n in sink_names}
         source_values = dict(zip([n for n in sink_names if combiners[n].kind in ("argmax", "argmin")], rest))
         partials = [combiners[n].partial(sink_outputs[n], source_values.get(n), start, length)
                     for n in sink_names]

@@ -31,7 +31,7 @@ from tfmem.budget import PlanVerdict
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
-from tfmem.memory import MemoryEstimate, estimate_memory, graph_node_for
+from tfmem.memory import WHILE_LOOP_OPS, MemoryEstimate, estimate_memory, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_SHRINK_RULE
 
@@ -40,7 +40,7 @@ from rewrites.split.diagonals import lower_diagonals
 from rewrites.split.loops import emit_loop, even_chunk, written_out
 from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
-from rewrites.split.sink import WHILE_OPS, invariant_slots, loop_invariant, read_through_loops, sink_invariant
+from rewrites.split.sink import invariant_slots, loop_invariant, read_through_loops, sink_invariant
 
 RULE = "SplitOversizedRegions"
 SINK_RULE = "RecomputeLoopInvariant"
@@ -196,7 +196,7 @@ class Planner:
         graph = self.graph
         tried: set[TensorRef] = set()
         while True:
-            candidates = [ref for loop in graph.find(WHILE_OPS) if self._loop_running(loop.name) is None
+            candidates = [ref for loop in graph.find(WHILE_LOOP_OPS) if self._loop_running(loop.name) is None
                           for ref in graph.inputs(loop.name)
                           if ref not in tried and (graph.nbytes(ref) or 0) > limit and invariant_slots(graph, ref)]
             if not candidates:
@@ -643,7 +643,7 @@ class Planner:
 
     def _while_node(self, loop: Loop) -> str | None:
         prefix = f"{loop.scope}/"
-        return next((n.name for n in self.graph.find(WHILE_OPS) if n.name.startswith(prefix)),
+        return next((n.name for n in self.graph.find(WHILE_LOOP_OPS) if n.name.startswith(prefix)),
                     None)
 
     def _loop_running(self, node: str | None) -> Loop | None:

@@ -34,13 +34,12 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import loop_function_graph, while_passthrough
+from tfmem.memory import WHILE_LOOP_OPS, loop_function_graph, while_passthrough
 from tfmem.passes import RewriteRecord
 
 from rewrites.split.cone import grow_cone
 from rewrites.split.rebuild import Extras, rebuild_while
 
-WHILE_OPS = frozenset({"While", "StatelessWhile"})
 # Ops a cone may not contain: they call functions (whose bodies are not cloned here) or
 # read state the loop may change.
 _OPAQUE_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
@@ -72,7 +71,7 @@ def invariant_slots(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]]:
     """The loops that read `tensor` as an invariant: `(While node, loop-variable slot)`."""
     found = []
     for consumer, position in graph.consumers(tensor):
-        if graph.node(consumer).op in WHILE_OPS and while_passthrough(graph, consumer).get(position) == position:
+        if graph.node(consumer).op in WHILE_LOOP_OPS and while_passthrough(graph, consumer).get(position) == position:
             found.append((consumer, position))
     return found
 
