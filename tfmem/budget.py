@@ -87,6 +87,8 @@ REGION_SLACK = 2.0
 # block fits without asking XLA (`Budget.fits_unchecked`): the check is a full XLA
 # compilation of the program, as long as the one that runs it.
 ESTIMATE_ERROR = 1.75
+# An overshoot this large means the block found (next to) no room: its size over one byte.
+_NO_ROOM_OVERSHOOT = 1000.0
 
 _DEVICE_RE = re.compile(r"(?:device:)?(?P<kind>CPU|GPU|TPU):(?P<index>\d+)$", re.IGNORECASE)
 
@@ -158,6 +160,19 @@ class Budget:
         held = max(held_peak + other_bytes, total_bytes - largest_bytes)
         room = max(largest_region, limit - REGION_SLACK * held)
         return max(total_bytes / limit, largest_bytes / max(room, 1))
+
+    @staticmethod
+    def describe_overshoot(overshoot: float) -> str:
+        """`xla_overshoot` for a message: the ratio, or that the block finds no room at all
+        (the ratio is then the block's size over one byte of room, a meaningless number).
+
+        Example:
+            >>> Budget.describe_overshoot(1.0734), Budget.describe_overshoot(2.2e8)
+            ('overshoot 1.073', 'overshoot: no room for its block of temporaries')
+        """
+        if overshoot > _NO_ROOM_OVERSHOOT:
+            return "overshoot: no room for its block of temporaries"
+        return f"overshoot {overshoot:.3f}"
 
     def fits_xla_plan(self, total_bytes: int, largest_bytes: int, held_peak: int = 0, *,
                       other_bytes: int = 0) -> bool:

@@ -507,6 +507,19 @@ class XlaPlan:
         """The block the call allocates last, which must find room in one piece."""
         return self.largest_bytes if self.temp_bytes is None else self.temp_bytes
 
+    @property
+    def peak_with_others(self) -> MemoryEstimate | None:
+        """`peak` with the call's other allocations counted (its outputs, parameters and
+        constants, alive beside the block all call long); None without a trace.
+
+        SGPR `predict_f(full_cov=True)` at 3,000 points: XLA peaks at 62.5 MiB in its block,
+        beside the 68.7 MiB output, 131.2 MiB in all.
+        """
+        if self.peak is None:
+            return None
+        others = max(0, self.total_bytes - self.block_bytes)
+        return dataclasses.replace(self.peak, peak_bytes=self.peak.peak_bytes + others)
+
 
 # XLA's PrimitiveType names → TensorFlow's dtype names, for the live set in words.
 _XLA_DTYPES = {"PRED": "bool", "S8": "int8", "S16": "int16", "S32": "int32", "S64": "int64", "U8": "uint8",

@@ -297,8 +297,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     if best is not compiled:
         records = (*records, RewriteRecord(
             "compile_within_budget", "XlaPlan", "info", kind="plan",
-            reason=f"planning again came out worse under XLA (overshoot {compiled.xla_overshoot:.3f}): "
-                   f"kept the plan with overshoot {best.xla_overshoot:.3f}"))
+            reason=f"planning again came out worse under XLA ({budget.describe_overshoot(compiled.xla_overshoot)}): "
+                   f"kept the plan with {budget.describe_overshoot(best.xla_overshoot)}"))
     # The time of every attempt counts, whichever plan is kept.
     best = dataclasses.replace(best, check_seconds=check_seconds, rewritten=dataclasses.replace(
         best.rewritten, records=records, seconds=rewritten.seconds))
@@ -334,7 +334,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         plan = compiled.checked_plan
         if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held_peak):
             return compiled
-        peaks = (*peaks, plan.peak)
+        peaks = (*peaks, plan.peak_with_others)
         start = time.perf_counter()
         again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
                                target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks)
@@ -353,14 +353,14 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         if overshoot is None or compiled.xla_overshoot is None or overshoot >= compiled.xla_overshoot:
             note = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
                 f"not kept: with {changes}, XLA plans "
-                + (f"{format_size(planned.total_bytes)} (overshoot {overshoot:.3f})" if planned is not None and
+                + (f"{format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)})" if planned is not None and
                    overshoot is not None else "nothing it can compile")
-                + f", {format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot or 0:.3f}) without"))
+                + f", {format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot or 0)}) without"))
             return _noted(compiled, (note,), check_seconds=check_seconds)
         notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
         kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
-            f"kept: with {changes}, XLA plans {format_size(planned.total_bytes)} (overshoot {overshoot:.3f}), "
-            f"{format_size(plan.total_bytes)} (overshoot {compiled.xla_overshoot:.3f}) without"))
+            f"kept: with {changes}, XLA plans {format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)}), "
+            f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)}) without"))
         rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
                                         seconds=compiled.rewritten.seconds + again.seconds)
         compiled = dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned,

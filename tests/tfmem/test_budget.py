@@ -173,3 +173,13 @@ def test_a_plan_reads_its_block_and_outputs_from_xla(rng) -> None:
     plan = tfmem.xla_plan(f, x)
     assert plan.output_bytes >= 1000 * 3 * 8 and plan.block_bytes >= 1000 * 1000 * 8
     assert plan.total_bytes >= plan.block_bytes + plan.output_bytes
+
+
+def test_an_overshoot_with_no_room_left_is_said_in_words() -> None:
+    budget = Budget(128 * 2**20, "config")
+    # A 68.7 MiB output under 128 MiB leaves no room for a 14.8 MiB block: the ratio is
+    # the block's size over one byte, a number that means nothing to a reader.
+    overshoot = budget.xla_overshoot(83_600_000, 15_500_000, other_bytes=72_000_000)
+    assert overshoot > 1e6
+    assert budget.describe_overshoot(overshoot) == "overshoot: no room for its block of temporaries"
+    assert budget.describe_overshoot(1.0734) == "overshoot 1.073"

@@ -105,6 +105,21 @@ def test_xlas_live_set_at_its_peak_names_the_tensorflow_ops_it_keeps() -> None:
     assert "2 whole float32[1000, 1000]" in peak.in_words()
 
 
+def test_xlas_peak_with_the_calls_other_allocations_counts_a_big_output_beside_the_block() -> None:
+    # The [1000, 1000] output is an allocation of its own, alive beside XLA's block of
+    # temporaries all call long: a peak in the block is that much higher in all.
+    def gram_and_its_exp(x: tf.Tensor) -> tf.Tensor:
+        gram = tf.matmul(x, x, transpose_b=True)
+        return tf.exp(gram @ gram) + gram
+
+    plan = tfmem.xla_plan(tf.function(gram_and_its_exp, jit_compile=True), tf.ones([1000, 10]))
+    assert plan.output_bytes >= 4_000_000 and plan.peak is not None
+    both = plan.peak_with_others
+    assert both is not None and both.live_at_peak == plan.peak.live_at_peak
+    assert both.peak_bytes == plan.peak.peak_bytes + plan.total_bytes - plan.block_bytes
+    assert both.peak_bytes >= plan.peak.peak_bytes + plan.output_bytes
+
+
 def test_xlas_peak_counts_a_loop_state_updated_in_place_once() -> None:
     # acc += x_c x_cᵀ in a loop: the loop's state, the value its body writes back and the
     # loop's result are one [600, 600] buffer in XLA's block (its in-place update).
