@@ -279,9 +279,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             # (SGPR M=20,000 at 32 GiB: 5 min of compile for a plan that came out worse).
             stopped = RewriteRecord(
                 "compile_within_budget", "XlaPlan", "info", kind="plan",
-                reason=f"XLA plans {format_size(planned.total_bytes)}, over its share {format_size(budget.xla_bytes)}; "
-                       "not planning again: the static plan is over its target already, with nothing left "
-                       "that splitting or smaller chunks would lower")
+                reason=f"XLA plans {format_size(planned.total_bytes)} against its share {format_size(budget.xla_bytes)} "
+                       f"({budget.describe_overshoot(overshoot)}); not planning again: the static plan is over its "
+                       "target already, with nothing left that splitting or smaller chunks would lower")
             break
         target = int(rewritten.context.target_bytes / overshoot * _REPLAN_MARGIN)
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", details={

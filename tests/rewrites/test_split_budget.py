@@ -399,3 +399,37 @@ def test_a_loop_assembles_what_the_program_returns_and_avoids_the_rest(rng) -> N
     (split,) = report.splits
     assert N % split.details["chunk"] == 0  # no remainder chunk to join with a copy of the output
     np.testing.assert_allclose(wrapped(x, z).numpy(), stock(x, z).numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_a_loop_shrunk_past_what_its_peak_needs_takes_back_the_larger_chunks(rng: np.random.Generator) -> None:
+    # The body's [M, M] partial product does not shrink with the chunk: shrinking to a plan
+    # no chunk can reach asks for chunks of 1, yet the peak then moves to the Cholesky
+    # after the loop, and chunks of 1,024 reach that same peak (GPflow's SVGP gradient,
+    # M=1,200, 20,000 points, took 20,000 chunks and 20 times stock's first call).
+    m, n, p = 256, 8192, 700
+
+    def two_phases(x, z, w):
+        dist = (tf.reduce_sum(tf.square(z), -1)[:, None] + tf.reduce_sum(tf.square(x), -1)[None, :]
+                - 2.0 * tf.matmul(z, x, transpose_b=True))
+        kzx = tf.exp(-0.5 * dist)                                 # [M, N]: split along N
+        gram = tf.matmul(kzx, kzx, transpose_b=True)              # [M, M]: summed over the chunks
+        factor = tf.linalg.cholesky(tf.matmul(w, w, transpose_b=True) + 700.0 * tf.eye(p, dtype=w.dtype))
+        return tf.reduce_sum(gram) + tf.reduce_sum(factor)
+
+    inputs = [tf.constant(rng.normal(size=shape)) for shape in [(n, 3), (m, 3), (p, p)]]
+    concrete = tf.function(two_phases).get_concrete_function(*inputs)
+    graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
+    planner = Planner("split", graph)
+    planner.split_all(threshold=m * n * 8 // 2, split_size=m * n * 8 // 2)
+    (loop,) = planner.loops
+    estimate = estimate_memory(graph)
+    live, _ = estimate.at(planner._while_node(loop))
+    assert estimate.peak_node == planner._while_node(loop)
+    shrunk = planner._shrink(loop, estimate, plan=live + 1)  # over by all but one byte of its body
+    (after,) = planner.loops
+    assert shrunk is not None and shrunk.peak_node != planner._while_node(after), shrunk
+    assert after.chunk >= 512, after
+    at_one = planner._try_rechunk(after, 1)
+    assert at_one is not None and shrunk.peak_bytes <= at_one.peak_bytes  # the same peak as chunks of 1
+    [got] = run_graph(graph, concrete, inputs)
+    np.testing.assert_allclose(got, two_phases(*inputs).numpy(), rtol=1e-10)
