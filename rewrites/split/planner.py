@@ -6,12 +6,14 @@ Two ways to decide, which may be combined:
   first, becomes a loop whose largest body tensor is at most `tensor_split_size`;
 - by budget: while the whole program's static peak is over the budget,
   1. if the peak is inside a loop this pass emitted, shrink that loop's chunks (its body
-     is, to first order, proportional to the chunk length);
+     is, to first order, proportional to the chunk length; where it is not, the chunk
+     is doubled back as far as the peak it reached allows);
   2. otherwise take the largest computed tensor live at the peak: recompute it inside
      the user's loops that read it (`sink`), or for its readers after the peak when it
      is cheap to make (`recompute`), or else split it;
-  then, once it fits, grow every loop's chunks as far as the budget allows: fewer,
-  larger chunks run faster (every trip costs time).
+  then, once it fits, grow every loop's chunks as far as the budget allows (by the
+  proportional estimate, else by doubling): fewer, larger chunks run faster (every
+  trip costs time).
 
 A loop is kept only if the program's peak does not rise (by threshold) or falls (by
 budget): a split whose loop keeps as much alive as it saves is undone, and says so.
