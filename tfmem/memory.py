@@ -513,7 +513,7 @@ class XlaPlan:
         constants, alive beside the block all call long); None without a trace.
 
         SGPR `predict_f(full_cov=True)` at 3,000 points: XLA peaks at 62.5 MiB in its block,
-        beside the 68.7 MiB output, 131.2 MiB in all.
+        beside the 68.7 MiB output: 131.4 MiB in all, the whole of its plan.
         """
         if self.peak is None:
             return None
