@@ -503,14 +503,8 @@ class Planner:
             if nested <= 0:
                 continue
             chunk = min(loop.region.size, math.floor(loop.chunk * (plan - live) / nested * _CHUNK_MARGIN))
-            if chunk >= loop.chunk * _WORTH_GROWING:
-                checkpoint = self._checkpoint()
-                after = self._try_rechunk(loop, chunk)
-                if after is not None and after.peak_bytes <= plan:
-                    estimate = after
-                    continue
-                self._rollback(checkpoint)
-            estimate = self._double_chunks(self._loop(scope), estimate, plan)
+            grown = self._rechunk_within(loop, chunk, plan) if chunk >= loop.chunk * _WORTH_GROWING else None
+            estimate = grown if grown is not None else self._double_chunks(self._loop(scope), estimate, plan)
         return estimate
 
     def _double_chunks(self, loop: Loop, estimate: MemoryEstimate, plan: int) -> MemoryEstimate:
@@ -519,10 +513,8 @@ class Planner:
         for _ in range(_DOUBLINGS):
             if loop.chunk >= loop.region.size:
                 break
-            checkpoint = self._checkpoint()
-            after = self._try_rechunk(loop, min(loop.region.size, 2 * loop.chunk))
-            if after is None or after.peak_bytes > plan:
-                self._rollback(checkpoint)
+            after = self._rechunk_within(loop, min(loop.region.size, 2 * loop.chunk), plan)
+            if after is None:
                 break
             estimate, loop = after, self._loop(loop.scope)
         return estimate
@@ -629,6 +621,16 @@ class Planner:
             graph.replace_all_uses(old, new)
         graph.prune()
         return chunk, replaced
+
+    def _rechunk_within(self, loop: Loop, chunk: int, limit: int) -> MemoryEstimate | None:
+        """`loop` in chunks of `chunk` if the program's peak then stays within `limit`
+        (its estimate); else the loop as it was, and None."""
+        checkpoint = self._checkpoint()
+        after = self._try_rechunk(loop, chunk)
+        if after is None or after.peak_bytes > limit:
+            self._rollback(checkpoint)
+            return None
+        return after
 
     def _try_rechunk(self, loop: Loop, chunk: int) -> MemoryEstimate | None:
         """Re-chunks and estimates; None if the region could not be restored (roll back)."""
