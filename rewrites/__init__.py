@@ -12,6 +12,7 @@ from rewrites.compose_transposes import ComposeTransposes
 from rewrites.detach_constants import DetachConstants
 from rewrites.grappler_cleanup import GrapplerCleanup
 from rewrites.order_only_edges import DropOrderOnlyControlEdges
+from rewrites.solve_in_place import SolveInPlace
 from rewrites.solve_not_invert import SolveInsteadOfInverse
 from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
@@ -27,7 +28,8 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup, DropOrderOnlyControlEdges),
     "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, SolveInsteadOfInverse, ComposeTransposes),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
-    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak),
+    # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
+    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, SolveInPlace),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

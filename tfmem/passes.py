@@ -116,6 +116,11 @@ class GraphPass(abc.ABC):
     # The config keys its result depends on, beside the graph; None: possibly any of them.
     # A cached prefix is reused for another config that agrees on the keys its passes read.
     reads: ClassVar[frozenset[str] | None] = None
+    # Its payoff shows only in XLA's buffer assignment, and can turn into a loss there
+    # (it moves what XLA keeps alive when): a plan with it that does not fit its budget is
+    # compiled once more without it, and the plan XLA fits better is kept
+    # (`stages._without_xla_checked_passes`).
+    xla_checked: ClassVar[bool] = False
 
     @abc.abstractmethod
     def run(self, graph: Graph, context: PassContext) -> PassResult:

@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfmem
 from tfmem.graph import Graph
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
-from tfmem.report import NEVER_WORSE_RULE
+from tfmem.report import NEVER_WORSE_RULE, XLA_CHECKED_RULE
 
 ROWS, COLS = 3000, 20  # x: 469 KiB; x @ xᵀ: [3000, 3000] float64, 68.7 MiB
 
@@ -67,3 +67,55 @@ def test_a_program_that_fits_is_not_compiled_again_as_written(x) -> None:
     report = tfmem.TfmemFunction(column_sums, config={"memory_budget": "1GiB"}, passes=[AddsABigProduct()]).report(x)
     assert report.fits and report.status == "rewritten"
     assert not [r for r in report.records if r.rule == NEVER_WORSE_RULE]
+
+
+# --- Passes XLA decides on (`GraphPass.xla_checked`, `stages._without_xla_checked_passes`) ---
+
+
+class XlaCheckedBigProduct(AddsABigProduct):
+    """The same harm, from a pass that says only XLA's plan shows its payoff."""
+
+    name = "xla_checked_big_product"
+    xla_checked = True
+
+
+class XlaCheckedNothing(GraphPass):
+    """A pass XLA decides on that fires and changes nothing: XLA plans the same without it."""
+
+    name = "xla_checked_nothing"
+    stage = "split"
+    xla_checked = True
+
+    def run(self, graph: Graph, context) -> PassResult:
+        return PassResult(graph, True, [RewriteRecord(self.name, "Nothing", "fired", ())])
+
+
+def test_a_pass_xla_decides_on_is_dropped_where_xla_plans_less_without_it(x) -> None:
+    wrapped = tfmem.TfmemFunction(column_sums, config={"memory_budget": "16MiB"}, passes=[XlaCheckedBigProduct()])
+    report = wrapped.report(x)
+    (dropped,) = [r for r in report.rejected if r.rule == XLA_CHECKED_RULE]
+    assert dropped.reason.startswith("xla_checked_big_product dropped: XLA plans"), dropped.reason
+    assert dropped.details["xla_without_bytes"] < 2**20 < 64 * 2**20 < dropped.details["xla_with_bytes"]
+    assert report.fits and report.xla_bytes_after < 2**20, str(report)
+    assert not [r for r in report.records if r.rule == NEVER_WORSE_RULE]  # the plan without it fits
+    assert "xla_checked_big_product dropped" in report.summary()
+    np.testing.assert_allclose(wrapped(x).numpy(), column_sums(x).numpy(), rtol=1e-12)
+
+
+def test_a_pass_xla_decides_on_is_kept_when_xla_plans_no_less_without_it(x) -> None:
+    def gram_sum(v):
+        return tf.reduce_sum(tf.exp(-tf.matmul(v, v, transpose_b=True)), 0)
+
+    config = tfmem.Config(memory_budget="600KiB")
+    passes = [*tfmem.passes.default_pipeline(config), XlaCheckedNothing()]
+    report = tfmem.TfmemFunction(gram_sum, config=config, passes=passes).report(x)
+    (kept,) = [r for r in report.records if r.rule == XLA_CHECKED_RULE]
+    assert kept.status == "info" and kept.reason.startswith("kept xla_checked_nothing: XLA plans"), kept.reason
+    assert report.fits is False and report.splits, str(report)
+
+
+def test_a_pass_xla_decides_on_costs_no_compile_where_the_plan_fits(x) -> None:
+    report = tfmem.TfmemFunction(column_sums, config={"memory_budget": "1GiB"},
+                                 passes=[XlaCheckedBigProduct()]).report(x)
+    assert report.fits and report.status == "rewritten"
+    assert not [r for r in report.records if r.rule == XLA_CHECKED_RULE]
