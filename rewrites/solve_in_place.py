@@ -20,7 +20,11 @@ the flops are the solve's own, `n²m`; measured on 2 cores the step time equals 
 
 It runs after splitting: a solve the splitter cuts into column chunks (a wide
 right-hand side) is already small, and the loops it sits in are not touched; the solves
-left whole at the top level are the ones rewritten here.
+left whole at the top level are the ones rewritten here. Whether the loops pay off only
+XLA's buffer assignment tells (it schedules around them differently: GPflow's SGPR
+gradient plans more with them), so the pass is `xla_checked`: under a budget it runs only
+once a plan without it does not fit, and stays where XLA then plans less
+(`tfmem.stages._with_xla_checked_passes`).
 
 Conditions (rejections carry these reasons):
     * compiled by XLA (`jit_compile`): TensorFlow's own kernel writes its result once;
@@ -33,9 +37,9 @@ Conditions (rejections carry these reasons):
 Example:
     >>> def solve(l, b):                                  # l [1024, 1024] lower, b [1024, 1024]
     ...     return tf.linalg.triangular_solve(l, b * 2.0)
-    >>> f = tfmem.TfmemFunction(solve, passes=[SolveInPlace()])
-    >>> str(f.report(l, b).records[0])
-    '[solve_in_place] SolveInPlace fired at MatrixTriangularSolve: blocks=8 block_rows=128 rhs_bytes=8388608'
+    >>> traced = tfmem.TfmemFunction(solve).trace(l, b)
+    >>> str(traced.rewrite(tfmem.Config(), passes=[SolveInPlace()]).records[0])
+    '[solve_in_place] SolveInPlace fired at triangular_solve/MatrixTriangularSolve: blocks=8 block_rows=128 rhs_bytes=8.0 MiB'
 """
 from __future__ import annotations
 
@@ -133,8 +137,8 @@ class SolveInPlace(RegionRule[SolveRegion]):
     """Solves a large triangular system in a loop that overwrites the right-hand side.
 
     Example:
-        >>> f = tfmem.TfmemFunction(lambda l, b: tf.linalg.triangular_solve(l, b), passes=[SolveInPlace()])
-        >>> tfmem.Graph(f.report(l, b).rewritten_graph_def).op_counts().get("MatrixTriangularSolve", 0)
+        >>> traced = tfmem.TfmemFunction(lambda l, b: tf.linalg.triangular_solve(l, b)).trace(l, b)
+        >>> traced.rewrite(tfmem.Config(), passes=[SolveInPlace()]).graph.op_counts().get("MatrixTriangularSolve", 0)
         0
     """
 

@@ -117,9 +117,9 @@ class GraphPass(abc.ABC):
     # A cached prefix is reused for another config that agrees on the keys its passes read.
     reads: ClassVar[frozenset[str] | None] = None
     # Its payoff shows only in XLA's buffer assignment, and can turn into a loss there
-    # (it moves what XLA keeps alive when): a plan with it that does not fit its budget is
-    # compiled once more without it, and the plan XLA fits better is kept
-    # (`stages._without_xla_checked_passes`).
+    # (it moves what XLA keeps alive when): `compile_within_budget` holds it back until a
+    # plan without it does not fit, then compiles the plan with it once and keeps the one
+    # XLA fits better (`stages._with_xla_checked_passes`).
     xla_checked: ClassVar[bool] = False
 
     @abc.abstractmethod

@@ -44,8 +44,8 @@ _PEAK_TENSORS_SHOWN = 6
 # The rule of the record that says a rewrite was dropped: XLA plans less for the program
 # as written (`tfmem.stages.compile_within_budget`).
 NEVER_WORSE_RULE = "NeverWorseThanWritten"
-# The rule of `stages._without_xla_checked_passes`: a plan compiled again without the passes XLA decides on.
-XLA_CHECKED_RULE = "WithoutXlaCheckedPasses"
+# The rule of `stages._with_xla_checked_passes`: a plan that did not fit, compiled again with the passes XLA decides on.
+XLA_CHECKED_RULE = "WithXlaCheckedPasses"
 # The rule of `rewrites.split.recompute.recompute_across_xla_peak`: what XLA held across its peak, made again.
 XLA_PEAK_RULE = "RecomputeAcrossXlaPeak"
 # The rule of `rewrites.split.planner.Planner.shrink_at_xla_peaks`: a loop XLA peaks in, in smaller chunks.
@@ -288,7 +288,8 @@ class Report:
             return f"no budget: {peaks}; {split}{hint}"
         outcome = "fits" if self.fits else "does NOT fit"
         line = f"{outcome} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
-        for dropped in (r for r in self.rejected if r.rule in (XLA_CHECKED_RULE, NEVER_WORSE_RULE)):
+        dropped = next((r for r in self.rejected if r.rule == NEVER_WORSE_RULE), None)
+        if dropped is not None:
             line += f" — {dropped.reason}"
         verdict = self.verdict
         if not self.fits and verdict is not None and not verdict.fits:

@@ -75,7 +75,8 @@ class Traced:
 
     def rewrite(self, config: Config | None = None, *, passes: Sequence[GraphPass] | None = None,
                 lint: bool = False, device: str | None = None, budget: Budget | None = None,
-                target_bytes: int | None = None, xla_peaks: Sequence[MemoryEstimate] = ()) -> Rewritten:
+                target_bytes: int | None = None, xla_peaks: Sequence[MemoryEstimate] = (),
+                xla_checked: bool = True) -> Rewritten:
         """Runs the pass pipeline under `config` (default: `Config()`) for `device`.
 
         Args:
@@ -88,6 +89,8 @@ class Traced:
                 `plan_bytes` (`compile_within_budget` asks for less when XLA needs more).
             xla_peaks: XLA's live sets at its peaks in earlier compiles that did not fit,
                 oldest first (`PassContext.xla_peaks`).
+            xla_checked: run the passes XLA decides on (`GraphPass.xla_checked`) too;
+                `compile_within_budget` holds them back until a plan does not fit.
 
         Raises:
             PassError: naming the pass that failed.
@@ -102,8 +105,10 @@ class Traced:
         if xla_peaks:
             context = context.seeing(*xla_peaks)
         # The registered pipeline is made anew from the config; given passes are the same objects.
-        cache = self._prefixes.setdefault((tuple(passes) if passes is not None else "registered", lint), {})
-        passes = list(passes) if passes is not None else default_pipeline(config)
+        cache = self._prefixes.setdefault((tuple(passes) if passes is not None else "registered", lint, xla_checked),
+                                          {})
+        passes = [p for p in (passes if passes is not None else default_pipeline(config))
+                  if xla_checked or not p.xla_checked]
         result = PassManager(passes, lint=lint).run(self.graph, context, cache=cache)
         with collector_paused():
             memory = estimate_memory(result.graph)
@@ -229,8 +234,10 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        chunks, and every later step would pay for the compile saved once.)
     2. Otherwise XLA's plan is checked. When it is over `Budget.xla_bytes`, or has a
        block too large to find room beside the rest (`Budget.xla_overshoot`), the passes
-       run again to a plan scaled down by the overshoot, up to `_REPLANS` times; not when
-       the static plan already missed its own target (a tighter one meets the same wall).
+       XLA decides on (held back so far) are tried, and kept when XLA fits their plan
+       better (`_with_xla_checked_passes`, one compile more); then the passes run again to
+       a plan scaled down by the overshoot, up to `_REPLANS` times; not when the static
+       plan already missed its own target (a tighter one meets the same wall).
     3. A rewritten program that still does not fit is planned once more with XLA's live
        set at its peak in view: what XLA holds there for later readers is made again for
        them, a loop XLA peaks in takes smaller chunks (`_plan_around_xla_peaks`); kept when
@@ -243,7 +250,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     out of memory).
     """
     budget = budget if budget is not None else resolve_budget(config)
-    rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget)
+    # Passes XLA decides on run only once a plan without them does not fit (rule 2).
+    checked = False
+    rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget, xla_checked=checked)
     if budget is None or not config.jit_compile:
         return rewritten.compile(input_signature=input_signature, name=name)
     # The allocator's peak is read after each rewrite and check, not before: rewriting
@@ -271,18 +280,13 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,
                                        check_seconds=check_seconds, held_peak=held_peak)
         if attempt == 0 and overshoot > 1:
-            compiled, dropped = _without_xla_checked_passes(traced, config, compiled, budget, args, kwargs,
-                                                            passes=passes, lint=lint,
-                                                            input_signature=input_signature, name=name)
-            check_seconds = compiled.check_seconds
-            if dropped:  # plan on without them
-                kept = passes if passes is not None else default_pipeline(config)
-                passes = [p for p in kept if not p.xla_checked]
-                rewritten, planned = compiled.rewritten, compiled.checked_plan
-                assert planned is not None and compiled.xla_overshoot is not None
-                overshoot = compiled.xla_overshoot
-            else:
-                rewritten = compiled.rewritten
+            compiled, checked = _with_xla_checked_passes(traced, config, compiled, budget, args, kwargs,
+                                                         passes=passes, lint=lint,
+                                                         input_signature=input_signature, name=name)
+            check_seconds, rewritten = compiled.check_seconds, compiled.rewritten
+            if checked:  # plan on with them
+                planned, overshoot = compiled.checked_plan, compiled.xla_overshoot
+                assert planned is not None and overshoot is not None
         if best is None or overshoot < best.xla_overshoot:
             best = compiled
         if overshoot <= 1 or attempt == _REPLANS:
@@ -302,7 +306,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
             "xla_planned_bytes": planned.total_bytes, "xla_share_bytes": budget.xla_bytes,
             "xla_largest_allocation_bytes": planned.largest_bytes, "overshoot": round(overshoot, 3),
             "next_target_bytes": target})
-        again = traced.rewrite(config, passes=passes, lint=lint, budget=budget, target_bytes=target)
+        again = traced.rewrite(config, passes=passes, lint=lint, budget=budget, target_bytes=target,
+                               xla_checked=checked)
         rewritten = dataclasses.replace(again, records=(note, *again.records),
                                         seconds=rewritten.seconds + again.seconds)
         compiled = rewritten.compile(input_signature=input_signature, name=name)
@@ -317,7 +322,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     best = dataclasses.replace(best, check_seconds=check_seconds, rewritten=dataclasses.replace(
         best.rewritten, records=records, seconds=rewritten.seconds))
     best = _plan_around_xla_peaks(traced, config, best, budget, args, kwargs, passes=passes, lint=lint,
-                                  input_signature=input_signature, name=name)
+                                  input_signature=input_signature, name=name, xla_checked=checked)
     return _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
                                      name=name)
 
@@ -325,7 +330,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
 def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
                            args: Sequence[Any], kwargs: Mapping[str, Any], *,
                            passes: Sequence[GraphPass] | None, lint: bool, input_signature: Any,
-                           name: str) -> Compiled:
+                           name: str, xla_checked: bool) -> Compiled:
     """`compiled`, or its plan made again with XLA's peaks in view while XLA's plan of that fits better.
 
     The passes plan to the static estimate, whose schedule and loop bodies are not XLA's:
@@ -351,7 +356,8 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         peaks = (*peaks, plan.peak_with_others)
         start = time.perf_counter()
         again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
-                               target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks)
+                               target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks,
+                               xla_checked=xla_checked)
         acted = [r for r in again.records if r.rule in XLA_PEAK_RULES and r.status == "fired"]
         if len(acted) <= acted_before:  # nothing new: say why not, from what each rule found
             why = tuple(r for r in again.records if r.rule in XLA_PEAK_RULES and r.status != "fired")
@@ -395,52 +401,55 @@ def _noted(compiled: Compiled, records: Sequence[RewriteRecord], *, check_second
         compiled.rewritten, records=(*compiled.rewritten.records, *records)))
 
 
-def _without_xla_checked_passes(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
-                                args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                                passes: Sequence[GraphPass] | None, lint: bool, input_signature: Any,
-                                name: str) -> tuple[Compiled, bool]:
-    """`compiled`, or its plan made without the passes XLA decides on when XLA fits that better
-    (and whether it was).
+def _with_xla_checked_passes(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
+                             args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                             passes: Sequence[GraphPass] | None, lint: bool, input_signature: Any,
+                             name: str) -> tuple[Compiled, bool]:
+    """`compiled` (planned without the passes XLA decides on), or the plan with them when XLA
+    fits that better; and whether it was.
 
-    A pass marked `GraphPass.xla_checked` lowers what XLA plans in most programs and can
-    raise it in others (XLA schedules around it differently). Where the plan with it does
-    not fit (on the first compile, before any re-planning), the pipeline runs again without
-    it, to the same target, at the cost of one more compile; the plan XLA fits better is
-    kept (`Budget.plan_overshoot`) and planning goes on with its passes, and the report
-    says which and why.
+    A pass marked `GraphPass.xla_checked` lowers what XLA plans in some programs and raises
+    it in others (XLA schedules around it differently), which only a compile tells. It is
+    held back until a plan without it does not fit; then the pipeline runs again with it,
+    to the same target, at the cost of one more compile, and the plan XLA fits better is
+    kept (`Budget.plan_overshoot`); planning goes on with the kept plan's passes, and the
+    report says which and why.
 
-    For example GPflow's SGPR loss and gradients, N=20,000, M=4,000 under 512 MiB: with its
-    triangular solves in place (`SolveInPlace`) XLA plans 722.0 MiB, without them 559.7 MiB.
+    For example, with its triangular solves in place (`SolveInPlace`), GPflow's GPR loss and
+    gradients at n=4,300 under 512 MiB: XLA plans 441.5 MiB with them, 564.8 MiB without;
+    SGPR's (N=20,000, M=4,000): 722.0 MiB with them, 559.7 MiB without.
     """
     plan = compiled.checked_plan
-    all_passes = list(passes) if passes is not None else default_pipeline(config)
-    checked = {p.name for p in all_passes if p.xla_checked}
-    fired = [r for r in compiled.rewritten.records if r.pass_name in checked and r.status == "fired"]
-    if plan is None or not fired or compiled.xla_overshoot is None or budget.fits_plan(plan, compiled.held_peak):
+    held_back = sorted({p.name for p in (passes if passes is not None else default_pipeline(config)) if p.xla_checked})
+    if plan is None or not held_back or compiled.xla_overshoot is None:
         return compiled, False
     start = time.perf_counter()
-    context = compiled.rewritten.context
-    again = traced.rewrite(config, passes=[p for p in all_passes if not p.xla_checked], lint=lint, budget=budget,
-                           target_bytes=context.target_bytes, xla_peaks=context.xla_peaks)
+    again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
+                           target_bytes=compiled.rewritten.context.target_bytes, xla_checked=True)
+    fired = sorted({r.pass_name for r in again.records if r.pass_name in held_back and r.status == "fired"})
+    if not fired:  # nothing for them to do here: no compile
+        return compiled, False
     candidate = again.compile(input_signature=input_signature, name=name)
     planned = candidate.xla_plan(*args, **kwargs)
     check_seconds = compiled.check_seconds + time.perf_counter() - start
     held_peak = allocator_peak()
     overshoot = budget.plan_overshoot(planned, held_peak) if planned is not None else None
-    passes_named = ", ".join(sorted(checked & {r.pass_name for r in fired}))
-    with_it = f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)})"
+    named = ", ".join(fired)
+    without = f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)}) without"
     if overshoot is None or planned is None or overshoot >= compiled.xla_overshoot:
-        note = RewriteRecord("compile_within_budget", XLA_CHECKED_RULE, "info", kind="plan", reason=(
-            f"kept {passes_named}: XLA plans {with_it} with it"
-            + (f", {format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)}) without"
-               if planned is not None and overshoot is not None else ", and cannot compile the plan without it")))
+        note = RewriteRecord("compile_within_budget", XLA_CHECKED_RULE, "rejected", kind="plan", reason=(
+            f"{named} not kept: XLA plans "
+            + (f"{format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)}) with {named}"
+               if planned is not None and overshoot is not None else f"nothing it can compile with {named}")
+            + f", {without}"), details={"xla_without_bytes": plan.total_bytes,
+                                         "xla_with_bytes": planned.total_bytes if planned is not None else None})
         return _noted(compiled, (note,), check_seconds=check_seconds), False
-    dropped = RewriteRecord("compile_within_budget", XLA_CHECKED_RULE, "rejected", kind="plan", reason=(
-        f"{passes_named} dropped: XLA plans {format_size(planned.total_bytes)} "
-        f"({budget.describe_overshoot(overshoot)}) without it, {with_it} with it"),
-        details={"xla_with_bytes": plan.total_bytes, "xla_without_bytes": planned.total_bytes})
+    kept = RewriteRecord("compile_within_budget", XLA_CHECKED_RULE, "info", kind="plan", reason=(
+        f"{named} kept: XLA plans {format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)}) "
+        f"with {named}, {without}"), details={"xla_without_bytes": plan.total_bytes,
+                                               "xla_with_bytes": planned.total_bytes})
     notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
-    rewritten = dataclasses.replace(again, records=(*notes, *again.records, dropped),
+    rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
                                     seconds=compiled.rewritten.seconds + again.seconds)
     return dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned, xla_overshoot=overshoot,
                                check_seconds=check_seconds, held_peak=held_peak), True

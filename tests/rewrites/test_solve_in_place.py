@@ -21,15 +21,20 @@ import tfmem
 from rewrites import passes_for
 from rewrites.solve_in_place import SolveInPlace, substitute_in_place
 from tfmem.graph import Graph
+from tfmem.report import XLA_CHECKED_RULE
+from tfmem.stages import Rewritten
 from tfmem.testing import assert_close
 
 
-def rewrite(fn: Callable[..., Any], rule: SolveInPlace, **config: Any) -> tfmem.TfmemFunction:
-    return tfmem.TfmemFunction(fn, passes=[rule], lint=True, config={"strict": True, **config})
+def rewrite(fn: Callable[..., Any], rule: SolveInPlace, *args: tf.Tensor, **config: Any) -> Rewritten:
+    """`fn` traced for `args` and rewritten by `rule` alone (`Traced.rewrite` runs it as given;
+    `compile_within_budget` would hold it back until a plan does not fit)."""
+    traced = tfmem.TfmemFunction(fn).trace(*args)
+    return traced.rewrite(tfmem.Config(strict=True, **config), passes=[rule], lint=True)
 
 
-def records(function: tfmem.TfmemFunction, *args: Any, status: str) -> list[tfmem.RewriteRecord]:
-    return [r for r in function.report(*args).records if r.status == status and r.pass_name == SolveInPlace.name]
+def records(rewritten: Rewritten, status: str) -> list[tfmem.RewriteRecord]:
+    return [r for r in rewritten.records if r.status == status and r.pass_name == SolveInPlace.name]
 
 
 def triangular(rng: np.random.Generator, batch: tuple[int, ...], n: int, lower: bool, dtype: tf.DType) -> tf.Tensor:
@@ -39,9 +44,8 @@ def triangular(rng: np.random.Generator, batch: tuple[int, ...], n: int, lower: 
     return tf.constant(x + 2.0 * np.eye(n), dtype)
 
 
-def whole_solves(graph_def: Any, rhs_shape: tuple[int, ...]) -> int:
+def whole_solves(graph: Graph, rhs_shape: tuple[int, ...]) -> int:
     """Top-level triangular solves whose right-hand side is the whole `rhs_shape` one."""
-    graph = Graph(graph_def)
     return sum(tuple(graph.spec(graph.inputs(n.name)[1]).shape.as_list()) == rhs_shape
                for n in graph.find("MatrixTriangularSolve"))
 
@@ -61,11 +65,11 @@ def test_the_loop_equals_tensorflows_solve(block: int, blocks: int, remainder: i
         return tf.linalg.triangular_solve(l, b * 2.0, lower=lower, adjoint=adjoint)
 
     rule = SolveInPlace(block_rows=block, min_rows=block + 1)
-    function = rewrite(solve, rule)
-    (fired,) = records(function, l, b, status="fired")
+    rewritten = rewrite(solve, rule, l, b)
+    (fired,) = records(rewritten, "fired")
     assert fired.details["blocks"] == -(-n // rule.block_for(n))
-    assert whole_solves(function.report(l, b).rewritten_graph_def, (*batch, n, m)) == 0
-    assert_close(function(l, b), tf.function(solve)(l, b), dtype)
+    assert whole_solves(rewritten.graph, (*batch, n, m)) == 0
+    assert_close(rewritten.compile()(l, b), tf.function(solve)(l, b), dtype)
 
 
 @pytest.mark.parametrize("jit_compile", [True, False], ids=["xla", "tensorflow"])
@@ -91,13 +95,14 @@ def test_the_cholesky_gradient_keeps_one_matrix_fewer_under_xla() -> None:
     rng = np.random.default_rng(1)
     x = rng.normal(size=(n, n))
     a, w = tf.constant(x @ x.T / n + np.eye(n)), tf.constant(rng.normal(size=(n, n)))
+    traced = tfmem.TfmemFunction(cholesky_gradient).trace(a, w)
     lean = [p for p in passes_for(tfmem.Config()) if p.stage != "split"]  # solves, not an inverse
-    without = tfmem.TfmemFunction(cholesky_gradient, passes=lean, config={"strict": True})
-    function = tfmem.TfmemFunction(cholesky_gradient, passes=[*lean, SolveInPlace()], config={"strict": True})
-    assert len(records(function, a, w, status="fired")) == 2
-    assert_close(function(a, w), tf.function(cholesky_gradient)(a, w), tf.float64)
+    without = traced.rewrite(tfmem.Config(strict=True), passes=lean)
+    with_loops = traced.rewrite(tfmem.Config(strict=True), passes=[*lean, SolveInPlace()], lint=True)
+    assert len([r for r in with_loops.records if r.pass_name == SolveInPlace.name and r.status == "fired"]) == 2
+    assert_close(with_loops.compile()(a, w), tf.function(cholesky_gradient)(a, w), tf.float64)
 
-    before, after = without.compiled(a, w).xla_plan(a, w), function.compiled(a, w).xla_plan(a, w)
+    before, after = without.compile().xla_plan(a, w), with_loops.compile().xla_plan(a, w)
     matrix = n * n * 8
     assert before is not None and after is not None
     assert after.total_bytes <= before.total_bytes - matrix // 2, (after.total_bytes / matrix,
@@ -119,24 +124,53 @@ def test_what_the_rule_leaves_alone_it_says_why(case: str, reason: str) -> None:
     def solve(l: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
         return tf.linalg.triangular_solve(l, b)
 
-    function = rewrite(solve, SolveInPlace(block_rows=4, min_rows=8))
-    (rejected,) = records(function, l, b, status="rejected")
+    rewritten = rewrite(solve, SolveInPlace(block_rows=4, min_rows=8), l, b)
+    (rejected,) = records(rewritten, "rejected")
     assert reason in rejected.reason
-    np.testing.assert_allclose(function(l, b), solve(l, b), rtol=1e-12)
+    np.testing.assert_allclose(rewritten.compile()(l, b), solve(l, b), rtol=1e-12)
 
 
 def test_a_solve_under_min_rows_is_no_candidate() -> None:
     rng = np.random.default_rng(4)
     l, b = triangular(rng, (), 7, True, tf.float64), tf.constant(rng.normal(size=(7, 5)))
-    function = rewrite(lambda l, b: tf.linalg.triangular_solve(l, b), SolveInPlace(block_rows=4, min_rows=8))
-    assert not [r for r in function.report(l, b).records if r.pass_name == SolveInPlace.name]
-    assert whole_solves(function.report(l, b).rewritten_graph_def, (7, 5)) == 1
+    rewritten = rewrite(lambda l, b: tf.linalg.triangular_solve(l, b), SolveInPlace(block_rows=4, min_rows=8), l, b)
+    assert not [r for r in rewritten.records if r.pass_name == SolveInPlace.name]
+    assert whole_solves(rewritten.graph, (7, 5)) == 1
 
 
 def test_without_xla_tensorflows_own_solve_stays() -> None:
     rng = np.random.default_rng(3)
     l, b = triangular(rng, (), 9, True, tf.float64), tf.constant(rng.normal(size=(9, 5)))
-    function = rewrite(lambda l, b: tf.linalg.triangular_solve(l, b), SolveInPlace(block_rows=4, min_rows=8),
-                       jit_compile=False)
-    (rejected,) = records(function, l, b, status="rejected")
+    rewritten = rewrite(lambda l, b: tf.linalg.triangular_solve(l, b), SolveInPlace(block_rows=4, min_rows=8),
+                        l, b, jit_compile=False)
+    (rejected,) = records(rewritten, "rejected")
     assert "not compiled by XLA" in rejected.reason
+
+
+@pytest.fixture(scope="module")
+def spd_and_weights() -> tuple[tf.Tensor, tf.Tensor]:
+    n = 1536
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(n, n))
+    return tf.constant(x @ x.T / n + np.eye(n)), tf.constant(rng.normal(size=(n, n)))
+
+
+def test_under_a_budget_the_loops_are_tried_once_a_plan_does_not_fit_and_kept_when_xla_plans_less(
+        spd_and_weights: tuple[tf.Tensor, tf.Tensor]) -> None:
+    a, w = spd_and_weights
+    wrapped = tfmem.function(cholesky_gradient, config=tfmem.Config(memory_budget="120MiB"))
+    report = wrapped.report(a, w)
+    (tried,) = [r for r in report.records if r.rule == XLA_CHECKED_RULE]
+    assert tried.status == "info" and tried.reason.startswith("solve_in_place kept: XLA plans"), tried.reason
+    matrix = a.shape[0] * a.shape[1] * 8
+    assert tried.details["xla_with_bytes"] <= tried.details["xla_without_bytes"] - matrix // 2, tried.details
+    assert len([r for r in report.fired if r.pass_name == SolveInPlace.name]) == 2
+    assert_close(wrapped(a, w), tf.function(cholesky_gradient)(a, w), tf.float64)
+
+
+def test_under_a_budget_the_plan_fits_without_the_loops_holds_them_back(
+        spd_and_weights: tuple[tf.Tensor, tf.Tensor]) -> None:
+    a, w = spd_and_weights
+    report = tfmem.function(cholesky_gradient, config=tfmem.Config(memory_budget="1GiB")).report(a, w)
+    assert report.fits and not [r for r in report.records if r.pass_name == SolveInPlace.name or
+                                r.rule == XLA_CHECKED_RULE], str(report)
