@@ -249,7 +249,8 @@ def render(document: dict[str, Any]) -> str:
         lines.append("")
     lines += _gpu_projection(document["rows"])
     if document["speed"]:
-        lines += ["## Step time at a size both fit (tfmem / stock XLA, medians of alternating warm calls)", "",
+        lines += ["## Step time (tfmem / stock XLA, medians of alternating warm calls; no memory limit, tfmem "
+                  "planned for the case's budget, so at GPR n=4300 with its solves in place)", "",
                   "| case | size | tfmem / stock XLA | largest relative difference (loss, gradients) |", "|---|---|---|---|"]
         for row in document["speed"]:
             if "ratio" in row:
