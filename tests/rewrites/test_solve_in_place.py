@@ -57,7 +57,7 @@ def whole_solves(graph: Graph, rhs_shape: tuple[int, ...]) -> int:
 def test_the_loop_equals_tensorflows_solve(block: int, blocks: int, remainder: int, extra_columns: int,
                                            batch: tuple[int, ...], lower: bool, adjoint: bool,
                                            dtype: tf.DType, seed: int) -> None:
-    n, m = blocks * block + remainder % block if block > 1 else blocks, block + extra_columns
+    n, m = blocks * block + remainder % block, block + extra_columns  # the rule may take smaller blocks
     rng = np.random.default_rng(seed)
     l, b = triangular(rng, batch, n, lower, dtype), tf.constant(rng.normal(size=(*batch, n, m)), dtype)
 
