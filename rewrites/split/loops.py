@@ -35,6 +35,8 @@ from rewrites.split.op_rules import chunk_patches
 from rewrites.split.order import computed_after
 
 _SMALL_CONSTANT_BYTES = 1 << 16
+# The name scope of a split loop's nodes (made unique per loop: `tfmem_split_1`, ...).
+SPLIT_SCOPE = "tfmem_split"
 # A summed product at least this large is accumulated in row blocks (see the module
 # docstring): below it, a whole product per chunk costs less than the blocks' extra ops.
 BLOCKED_PRODUCT_BYTES = 8 << 20
@@ -267,8 +269,20 @@ def even_chunk(size: int, chunk: int) -> int:
     return chunk
 
 
+def in_split_loop(node: str) -> bool:
+    """Whether `node` is one of a split loop's nodes (its scope `SPLIT_SCOPE`, `SPLIT_SCOPE_1`, ...),
+    the chunk it computes before the loop included.
+
+    Example:
+        >>> in_split_loop("tfmem_split_1/chunk/MatMul"), in_split_loop("tfmem_splitter/MatMul")
+        (True, False)
+    """
+    scope = node.split("/", 1)[0]
+    return scope == SPLIT_SCOPE or (scope.startswith(f"{SPLIT_SCOPE}_") and scope[len(SPLIT_SCOPE) + 1:].isdigit())
+
+
 def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: int,
-              assemble_returned: bool = True, scope: str = "tfmem_split") -> dict[TensorRef, TensorRef]:
+              assemble_returned: bool = True, scope: str = SPLIT_SCOPE) -> dict[TensorRef, TensorRef]:
     """Adds a loop computing `region` in chunks of `chunk`; returns original → new tensors.
 
     Split tensors read outside the region are assembled whole only up to `max_write_out`

@@ -39,7 +39,7 @@ from tfmem.report import XLA_SHRINK_RULE
 
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
 from rewrites.split.diagonals import lower_diagonals
-from rewrites.split.loops import emit_loop, even_chunk, written_out
+from rewrites.split.loops import SPLIT_SCOPE, emit_loop, even_chunk, written_out
 from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
 from rewrites.split.sink import invariant_slots, loop_invariant, read_through_loops, sink_invariant
@@ -586,7 +586,7 @@ class Planner:
     def emit(self, region: SliceRegion, chunk: int, *, max_write_out: int) -> Loop:
         """Replaces `region` by a loop in chunks of `chunk`; records it."""
         graph = self.graph
-        scope = graph.unique_scope("tfmem_split")
+        scope = graph.unique_scope(SPLIT_SCOPE)
         # The region's nodes, and the constants it reads: the loop copies small ones into
         # its body, and pruning then removes them.
         constants = [f.ref.node for f in region.feeds(graph) if graph.node(f.ref.node).op == "Const"]
@@ -602,8 +602,9 @@ class Planner:
         """The same region as a loop in chunks of `chunk` (undo, then emit again)."""
         graph = self.graph
         self._retract(loop)
-        chunk, replaced = self._loop_in_place(loop.region, chunk, _max_write_out(graph, loop), loop.scope)
-        new = dataclasses.replace(loop, chunk=chunk, replaced=tuple(replaced.items()))
+        region = _without_pruned(loop.region, graph)
+        chunk, replaced = self._loop_in_place(region, chunk, _max_write_out(graph, loop), loop.scope)
+        new = dataclasses.replace(loop, region=region, chunk=chunk, replaced=tuple(replaced.items()))
         self.loops[self.loops.index(loop)] = new
         self.records[loop.record] = self._split_record(new)
         return new
@@ -701,6 +702,27 @@ def _copy(node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
     copy = node_def_pb2.NodeDef()
     copy.CopyFrom(node)
     return copy
+
+
+def _without_pruned(region: SliceRegion, graph: Graph) -> SliceRegion:
+    """`region` without the nodes that did not come back when its loop was taken out.
+
+    A region node none of whose readers is left (later loops took them in) is pruned as
+    soon as the region's nodes are put back, and the loop emitted again does without it.
+    (GPflow's SGPR gradient, N=100,000, M=5,500: four nodes of a `truediv` gradient, and
+    the loop XLA peaked in could not take smaller chunks.) Its seed and sinks must be back.
+    """
+    needed = [name for name in (region.seed.node, *region.sinks) if name not in graph]
+    if needed:
+        raise GraphError(f"cannot restore a split region: {needed[0]} is gone")
+    gone = {name for name in region.nodes if name not in graph}
+    if not gone:
+        return region
+    return dataclasses.replace(
+        region, nodes=[n for n in region.nodes if n not in gone],
+        axes={ref: axis for ref, axis in region.axes.items() if ref.node not in gone},
+        boundaries={ref: why for ref, why in region.boundaries.items() if ref.node not in gone},
+        whole_reads={(n, p) for n, p in region.whole_reads if n not in gone})
 
 
 def _max_write_out(graph: Graph, loop: Loop) -> int:

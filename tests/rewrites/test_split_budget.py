@@ -117,6 +117,31 @@ def test_a_loop_xla_peaks_in_is_left_when_smaller_chunks_cannot_take_off_enough(
     assert planner.loops == [loop] and len([r for r in planner.records if r.rule == XLA_SHRINK_RULE]) == 1
 
 
+def test_a_loop_takes_other_chunks_without_region_nodes_nothing_reads_any_more(kernel_inputs) -> None:
+    # A region node whose readers other rewrites took away since the loop was emitted
+    # is pruned as soon as the region is put back: the loop is emitted again without it.
+    planner, concrete = _planned_in_chunks(*kernel_inputs, chunks=4)
+    (loop,) = planner.loops
+    some_node = next(n for n in loop.saved if n.name in loop.region.nodes and n.op == "Exp")
+    unread = tf.compat.v1.NodeDef()
+    unread.CopyFrom(some_node)
+    unread.name = "unread_copy_of_exp"
+    loop = dataclasses.replace(loop, saved=(*loop.saved, unread),
+                               region=dataclasses.replace(loop.region, nodes=[*loop.region.nodes, unread.name]))
+    planner.loops = [loop]
+    rechunked = planner.rechunk(loop, loop.chunk // 2)
+    assert unread.name not in rechunked.region.nodes and unread.name not in planner.graph
+    assert rechunked.chunks > loop.chunks and planner._while_node(rechunked) is not None
+    [got] = run_graph(planner.graph, concrete, list(kernel_inputs))
+    np.testing.assert_allclose(got, kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+    # Without its seed the region is not what was planned: not emitted again.
+    seedless = dataclasses.replace(rechunked, region=dataclasses.replace(
+        rechunked.region, seed=tfmem.graph.TensorRef("unread_copy_of_exp")))
+    planner.loops = [seedless]
+    with pytest.raises(tfmem.graph.GraphError, match="cannot restore a split region: unread_copy_of_exp is gone"):
+        planner.rechunk(seedless, loop.chunk)
+
+
 def test_a_budget_that_cannot_be_met_is_loud_and_names_what_blocks_it(rng: np.random.Generator) -> None:
     x = tf.constant(rng.normal(size=(1000, 1000)))  # 7.6 MiB input: over the whole budget
 
@@ -200,10 +225,10 @@ def test_a_threshold_that_misses_the_budget_gives_way_to_the_budget() -> None:
     from benchmarks.cases import sgpr_loss_and_gradients
 
     traced = tfmem.TfmemFunction(sgpr_loss_and_gradients(10_000, 300)).trace()
-    both = traced.rewrite(tfmem.Config(tensor_size_threshold="1MB", memory_budget="6MiB"))
+    both = traced.rewrite(tfmem.Config(tensor_size_threshold="1MB", memory_budget="4MiB"))
     (gave_way,) = [r for r in both.records if "planned by the memory budget alone" in r.reason]
     assert gave_way.details["budget_peak_bytes"] < gave_way.details["threshold_peak_bytes"]
-    alone = traced.rewrite(tfmem.Config(memory_budget="6MiB"))
+    alone = traced.rewrite(tfmem.Config(memory_budget="4MiB"))
     assert both.memory.peak_bytes == alone.memory.peak_bytes
     assert both.graph.op_counts() == alone.graph.op_counts()
 
@@ -294,14 +319,14 @@ def test_a_threshold_that_gives_way_to_the_budget_warns_naming_both_numbers() ->
     from benchmarks.cases import sgpr_loss_and_gradients
 
     wrapped = tfmem.function(sgpr_loss_and_gradients(10_000, 300),
-                             config={"tensor_size_threshold": "1MB", "memory_budget": "6MiB"})
+                             config={"tensor_size_threshold": "1MB", "memory_budget": "4MiB"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = wrapped.report()
     shown = [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
     assert report.verdict.threshold_dropped and len(shown) == 1, shown
     # One warning, naming the threshold, the budget, and the plan each one reached.
-    assert "tensor_size_threshold not honoured" in shown[0] and "6.0 MiB" in shown[0], shown[0]
+    assert "tensor_size_threshold not honoured" in shown[0] and "4.0 MiB" in shown[0], shown[0]
     assert "tensor_size_threshold 976.6 KiB left the static peak at" in shown[0], shown[0]
     assert "planned by the memory budget alone" in shown[0], shown[0]
 
