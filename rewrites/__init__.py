@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from rewrites.add_diagonal import AddDiagonal
 from rewrites.cleanup import ForwardIdentities
+from rewrites.compose_band_parts import ComposeBandParts
 from rewrites.compose_transposes import ComposeTransposes
 from rewrites.detach_constants import DetachConstants
 from rewrites.grappler_cleanup import GrapplerCleanup
+from rewrites.merge_duplicates import MergeDuplicates
 from rewrites.order_only_edges import DropOrderOnlyControlEdges
 from rewrites.solve_in_place import SolveInPlace
 from rewrites.solve_not_invert import SolveInsteadOfInverse
@@ -25,8 +27,10 @@ from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, GrapplerCleanup, DropOrderOnlyControlEdges),
-    "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, SolveInsteadOfInverse, ComposeTransposes),
+    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, MergeDuplicates, GrapplerCleanup,
+                DropOrderOnlyControlEdges),
+    "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, SolveInsteadOfInverse, ComposeTransposes,
+                          ComposeBandParts),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
     "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, SolveInPlace),

@@ -22,20 +22,14 @@ Conditions (where ordering can matter, the edge stays):
 from __future__ import annotations
 
 from tfmem.context import PassContext
-from tfmem.graph import Graph
+from tfmem.graph import ORDERED_OPS, Graph
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
-
-# Ops whose order is part of their meaning although TensorFlow registers them as stateless:
-# v1 control flow (frames) and the function calls that may hide effects.
-_ORDERED_OPS = frozenset("Switch Merge Enter Exit NextIteration LoopCond RefEnter RefExit RefSwitch RefMerge "
-                         "PartitionedCall StatefulPartitionedCall While StatelessWhile If StatelessIf Case "
-                         "StatelessCase".split())
 
 
 def _ordered(graph: Graph, name: str) -> bool:
     """Whether the moment node `name` runs may matter: an effect, a call, a frame, a kept node."""
     node = graph.node(name)
-    return (name in graph.keep or node.op in _ORDERED_OPS or graph.is_stateful(name)
+    return (name in graph.keep or node.op in ORDERED_OPS or graph.is_stateful(name)
             or graph.function(node.op) is not None
             or any(value.HasField("func") or len(value.list.func) for value in node.attr.values()))
 

@@ -41,6 +41,11 @@ ALIASING_OPS = frozenset({"Identity", "IdentityN", "Reshape", "ExpandDims", "Squ
                           "CheckNumerics"})
 # Ops that hold state or talk to the outside world: never removed, never duplicated.
 ALWAYS_KEEP_OPS = frozenset({"Placeholder", "NoOp"})
+# Ops whose order is part of their meaning although TensorFlow registers them as stateless:
+# v1 control flow (frames) and the function calls that may hide effects.
+ORDERED_OPS = frozenset("Switch Merge Enter Exit NextIteration LoopCond RefEnter RefExit RefSwitch RefMerge "
+                        "PartitionedCall StatefulPartitionedCall While StatelessWhile If StatelessIf Case "
+                        "StatelessCase".split())
 
 
 # TensorFlow unregisters a library function from the eager context, by name, when a
