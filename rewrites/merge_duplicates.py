@@ -21,8 +21,8 @@ itself, plans 14.7 MiB either way. So the pass is `xla_checked`: under a budget 
 once a plan without it does not fit, and stays where XLA then plans less
 (`tfmem.stages._with_xla_checked_passes`).
 
-Conditions: a node merges with an earlier one of the same op, attrs (those TensorFlow
-names with `_` aside), data inputs and control inputs. Never merged: stateful ops (but
+Conditions: a node merges with an earlier one of the same op, device, attrs (those
+TensorFlow names with `_` aside), data inputs and control inputs. Never merged: stateful ops (but
 variable reads in a function where every reader of a variable handle is a read: an
 assignment, a call or a loop handed a handle could change a variable between two reads),
 calls and control flow (`ORDERED_OPS`, library functions, ops whose attrs name functions),
@@ -95,7 +95,8 @@ def _key(graph: Graph, node: node_def_pb2.NodeDef, reads_are_values: bool) -> tu
         return None
     attrs = tuple(sorted((key, value.SerializeToString(deterministic=True))
                          for key, value in node.attr.items() if not key.startswith("_")))
-    return (node.op, attrs, tuple(graph.inputs(node.name)), tuple(sorted(graph.control_inputs(node.name))))
+    return (node.op, node.device, attrs, tuple(graph.inputs(node.name)),
+            tuple(sorted(graph.control_inputs(node.name))))
 
 
 def _read_twice(graph: Graph) -> bool:
@@ -108,7 +109,8 @@ def _variable_writer(graph: Graph) -> str | None:
     """A node other than a read that is handed a variable handle, if any (a handle passed
     through an `Identity` counts: what reads the identity is not followed)."""
     handles = {graph.inputs(node.name)[0] for node in graph.find("ReadVariableOp")}
-    handles |= {TensorRef(node.name) for node in graph.find(("Placeholder", "VarHandleOp"))
+    handles |= {TensorRef(node.name) for node in graph.find("VarHandleOp")}
+    handles |= {TensorRef(node.name) for node in graph.find("Placeholder")
                 if node.attr["dtype"].type == tf.resource.as_datatype_enum}
     for handle in sorted(handles, key=str):
         for reader, _ in graph.consumers(handle):
