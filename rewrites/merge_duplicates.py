@@ -19,7 +19,8 @@ around its own readers: the static estimate of VGPOpperArchambeau's gradient (N=
 rises from 19.8 to 21.0 MiB with the merges, while XLA, which merges most such pairs
 itself, plans 14.7 MiB either way. So the pass is `xla_checked`: under a budget it runs
 once a plan without it does not fit, and stays where XLA then plans less
-(`tfmem.stages._with_xla_checked_passes`).
+(`tfmem.stages._with_xla_checked_passes`); where it merged nothing of 1 MiB or more, its
+record is "info", not "fired", and no compile is spent on it.
 
 Conditions: a node merges with an earlier one of the same op, device, attrs (those
 TensorFlow names with `_` aside), data inputs and control inputs. Never merged: stateful ops (but
@@ -34,9 +35,12 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from tfmem.config import format_size
 from tfmem.context import PassContext
 from tfmem.graph import ALWAYS_KEEP_OPS, ORDERED_OPS, Graph, TensorRef, is_stateful
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
+
+from rewrites.splats import LARGE_TENSOR_BYTES
 
 RULE = "MergeDuplicates"
 
@@ -48,7 +52,7 @@ class MergeDuplicates(GraphPass):
         >>> v = tf.Variable(tf.ones([3]))
         >>> traced = tfmem.TfmemFunction(lambda: tf.reduce_sum(v * 2.0) + tf.reduce_sum(v * 2.0)).trace()
         >>> [str(r) for r in traced.rewrite(tfmem.Config(), passes=[MergeDuplicates()]).records]
-        ['[merge_duplicates] MergeDuplicates fired merged=5 reads=1']
+        ['[merge_duplicates] MergeDuplicates info: nothing of 1.0 MiB or more merged=5 reads=1']
     """
 
     name = "merge_duplicates"
@@ -65,7 +69,7 @@ class MergeDuplicates(GraphPass):
                    "and may change one between two reads")]
         reads_are_values = writer is None
         first: dict[tuple, str] = {}
-        merged = reads = 0
+        merged = reads = largest = 0
         for name in graph.topological_order():
             node = graph.node(name)
             key = _key(graph, node, reads_are_values)
@@ -79,11 +83,17 @@ class MergeDuplicates(GraphPass):
             if uses:
                 merged += 1
                 reads += node.op == "ReadVariableOp"
+                largest = max(largest, *(graph.nbytes(TensorRef(original, i)) or 0
+                                         for i in range(len(graph.output_specs(original)))), 0)
         if not merged:
             return PassResult(graph, False, records)
         graph.prune()
-        return PassResult(graph, True, [*records, RewriteRecord(self.name, RULE, "fired", kind="cleanup",
-                                                                details={"merged": merged, "reads": reads})])
+        # Merged constants and small tensors change nothing XLA's plan would show: said as
+        # "info", so that a budget does not pay a compile to try them (`xla_checked`).
+        status = "fired" if largest >= LARGE_TENSOR_BYTES else "info"
+        return PassResult(graph, True, [*records, RewriteRecord(
+            self.name, RULE, status, kind="cleanup", details={"merged": merged, "reads": reads},
+            reason="" if status == "fired" else f"nothing of {format_size(LARGE_TENSOR_BYTES)} or more")])
 
 
 def _key(graph: Graph, node: node_def_pb2.NodeDef, reads_are_values: bool) -> tuple | None:

@@ -41,7 +41,8 @@ def test_copies_of_one_chain_are_computed_once(ops: list[str], copies: int, scal
     x = tf.constant(np.random.default_rng(seed).normal(size=(5, 5)))
     rewritten = rewrite(fn, x)
     (record,) = rewritten.records
-    assert record.status == "fired" and record.details["reads"] == 0
+    # 5×5 tensors: merged, said as "info" (nothing XLA's plan would show)
+    assert record.status == "info" and record.details["reads"] == 0 and record.details["merged"] > 0
     counts = rewritten.graph.op_counts()
     for op in set(ops):
         assert counts[op.capitalize()] == ops.count(op), (op, counts)
@@ -61,6 +62,13 @@ def test_reads_of_a_variable_the_function_only_reads_are_one_read() -> None:
     counts = rewritten.graph.op_counts()
     assert counts["MatrixBandPart"] == 1 and counts["Mul"] == 1
     assert_close(rewritten.compile()(), fn(), tf.float64)
+
+
+def test_a_merged_tensor_of_a_mebibyte_or_more_is_a_firing() -> None:
+    x = tf.constant(np.ones((512, 512)))  # 2 MiB
+    rewritten = rewrite(lambda x: tf.reduce_sum(tf.exp(x) @ tf.exp(x)), x)
+    (record,) = rewritten.records
+    assert record.status == "fired" and rewritten.graph.op_counts()["Exp"] == 1
 
 
 def test_reads_around_a_variable_write_stay_apart() -> None:

@@ -363,7 +363,8 @@ def test_a_plan_near_the_budget_asks_xla_and_is_not_split_further_to_avoid_it(ke
     assert len(checked) == 1 and kept.checked_plan == XlaPlan(2**20, 2**19)
     # The plan is the one the usual target gives: no smaller chunks to skip XLA's check.
     assert kept.rewritten.context.target_bytes == tfmem.Budget(8 * 2**20, "config").plan_bytes
-    assert kept.rewritten.memory.peak_bytes == traced.rewrite(config).memory.peak_bytes
+    # (the passes XLA decides on stay held back: the plan fits)
+    assert kept.rewritten.memory.peak_bytes == traced.rewrite(config, xla_checked=False).memory.peak_bytes
 
 
 def kernel_log_det(x):
