@@ -105,7 +105,8 @@ class Traced:
         if xla_peaks:
             context = context.seeing(*xla_peaks)
         # The registered pipeline is made anew from the config; given passes are the same objects.
-        # With or without the passes XLA decides on, the prefix is the same (`prefix_key`).
+        # Plans with and without the passes XLA decides on share a cached prefix only as far as
+        # their passes agree: `PassManager.prefix_key` names the passes each prefix ran.
         cache = self._prefixes.setdefault((tuple(passes) if passes is not None else "registered", lint), {})
         passes = [p for p in (passes if passes is not None else default_pipeline(config))
                   if xla_checked or not p.xla_checked]
