@@ -20,6 +20,10 @@ from tfmem.memory import RESIDENT_OPS
 
 from rewrites.split.loops import is_small_constant
 
+# Tensors held to the end anyway: the program's inputs, and reads of its variables (under
+# XLA a read is the variable's own buffer, a parameter of the computation).
+_HELD_ANYWAY = RESIDENT_OPS | {"ReadVariableOp"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Cone:
@@ -36,7 +40,7 @@ def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Calla
 
     `refuse(node)`: why that node may not be made again (None: it may). Nodes with
     side effects or control inputs never may. `resident_leaves`: inputs of the program
-    (held to the end anyway) are leaves whatever their size.
+    and reads of its variables (held to the end anyway) are leaves whatever their size.
     """
     nodes: set[str] = set()
     leaves: list[TensorRef] = []
@@ -61,7 +65,7 @@ def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Calla
                 return f"{tensor.name} is made from {ref.name}, whose shape is not static"
             if is_small_constant(graph, ref):
                 stack.append(ref.node)  # copied with the cone
-            elif nbytes <= leaf_limit or (resident_leaves and graph.node(ref.node).op in RESIDENT_OPS):
+            elif nbytes <= leaf_limit or (resident_leaves and graph.node(ref.node).op in _HELD_ANYWAY):
                 if ref not in leaves:
                     leaves.append(ref)
             else:

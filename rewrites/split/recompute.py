@@ -14,9 +14,12 @@ inputs (its *cone*) — the late readers get their own copy, made just before th
 The copy reads its leaves through a subtraction of an exact zero computed from an input
 of the first late reader (`dK`; see `order.computed_after`): it cannot be made before that input
 exists, and XLA cannot merge it back into the original (its common-subexpression pass
-sees other operands). The split planner does this (`Planner._recompute_later`) for a tensor held
-across the static peak, and keeps it only when the peak falls; the copy's readers may
-then be split like any others.
+sees other operands). That input must be one the program's inputs decide: XLA folds a
+constant (a loss gradient's seed) and the copy with it, so a reader of nothing else waits
+for what its result meets downstream instead (`_tie`; GPflow VGP's KL gradient). The
+split planner does this (`Planner._recompute_later`) for a tensor held across the static
+peak, and keeps it only when the peak falls; the copy's readers may then be split like
+any others.
 
 XLA's schedule is not the estimate's, and its peak can be elsewhere. When a plan XLA
 compiled does not fit, `recompute_across_xla_peak` does the same for what XLA's own live
@@ -54,8 +57,15 @@ RECOMPUTE_RULE = "RecomputeForLateReaders"
 _CHEAP_OPS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
     "ExpandDims", "Squeeze", "Reshape", "BroadcastTo", "Tile", "Fill", "Transpose", "Const",
     "Sum", "Mean", "Max", "Min", "Prod", "MatrixSetDiagV3", "MatrixDiagV3", "MatrixDiagPartV3",
-    "MatrixBandPart", "Select", "ZerosLike", "OnesLike"})
+    "MatrixBandPart", "Select", "ZerosLike", "OnesLike",
+    # Copies of parts of their input: TFP's `fill_triangular` (GPflow's triangular `q_sqrt`).
+    "ConcatV2", "ReverseV2", "StridedSlice", "Slice"})
 _PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# How many of the ops a reader's result flows into (the first the schedule runs) are
+# searched for a tie when the reader's own inputs are constants.
+_TIE_SEARCH = 32
+# What a program is given: a tensor made from none of these is a constant to XLA.
+_INPUT_OPS = frozenset({"Placeholder", "_Arg"})
 # Factorizations cost about as much as one triangular solve with a square right-hand
 # side: made again only where XLA's own plan shows the factor held across its peak
 # (`recompute_across_xla_peak`), never on the static estimate's word alone.
@@ -147,14 +157,40 @@ def _through_identities(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]
     return readers
 
 
-def _tie(graph: Graph, cone: Cone, first_reader: str, position: dict[str, int]) -> TensorRef | None:
-    """The floating-point input of `first_reader` made last (other than the tensor
-    itself): the copy waits for it."""
-    candidates = [ref for ref in graph.inputs(first_reader)
-                  if ref != cone.tensor and graph.spec(ref).dtype.is_floating
-                  and (graph.spec(ref).shape.num_elements() or 0) > 0
-                  and graph.node(ref.node).op not in RESIDENT_OPS]
+def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, int],
+         peak_node: str | None = None) -> TensorRef | None:
+    """The floating-point input of the first of `readers` made last (other than the tensor
+    itself) that the program's inputs decide: the copy waits for it.
+
+    Without one — the reader's other inputs are constants, such as a loss gradient's
+    seed, which XLA folds: `computed_after` would order nothing, and XLA would merge the
+    copy back into the original — the input made last, after the estimate's peak at
+    `peak_node`, of an op the reader's result flows into, where it meets the rest of the
+    program (GPflow VGP's KL gradient meets the likelihood's). Never a tensor made from
+    what a reader makes: the copy would wait for itself.
+    """
+    first = min(readers, key=lambda r: position.get(r, -1))
+    downstream = set().union(*(graph.descendants(reader) for reader in readers))
+
+    def usable(ref: TensorRef) -> bool:
+        return (ref != cone.tensor and ref.node not in downstream and ref.node not in cone.nodes
+                and _can_order(graph, ref))
+
+    candidates = [ref for ref in graph.inputs(first) if usable(ref)]
+    if not candidates and peak_node in position:
+        nearby = sorted(graph.descendants(first), key=lambda name: position.get(name, len(position)))[:_TIE_SEARCH]
+        candidates = [ref for name in nearby for ref in graph.inputs(name)
+                      if position.get(ref.node, -1) > position[peak_node] and usable(ref)]
     return max(candidates, key=lambda ref: position.get(ref.node, -1), default=None)
+
+
+def _can_order(graph: Graph, ref: TensorRef) -> bool:
+    """Whether `ref` is a floating-point tensor with elements, made by an op (not held)
+    from something the program is given: one XLA cannot compute before it runs."""
+    spec = graph.spec(ref)
+    if not spec.dtype.is_floating or not (spec.shape.num_elements() or 0) or graph.node(ref.node).op in RESIDENT_OPS:
+        return False
+    return any(graph.node(name).op in _INPUT_OPS or graph.is_stateful(name) for name in graph.ancestors(ref.node))
 
 
 def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
@@ -167,10 +203,11 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
         if estimate is None:
             raise GraphError("recompute_for needs a tie or an estimate to order the copy")
         position = {name: i for i, name in enumerate(estimate.steps)}
-        first = min((reader for reader, _ in readers), key=lambda r: position.get(r, -1))
-        tie = _tie(graph, cone, first, position)
+        tie = _tie(graph, cone, [reader for reader, _ in readers], position, estimate.peak_node)
         if tie is None:
-            raise GraphError(f"{first} reads no floating-point tensor but {cone.tensor.name}: nothing orders a copy")
+            raise GraphError(f"no tensor made from the program's inputs (not from {cone.tensor.name}'s late "
+                             "readers) is read beside it, or after the peak where its readers' results go: "
+                             "nothing orders a copy")
     if not graph.spec(tie).dtype.is_floating or not graph.spec(tie).shape.num_elements():
         raise GraphError(f"{tie.name} is no floating-point tensor with elements: it cannot order a copy")
     if not any(graph.spec(leaf).dtype.is_floating for leaf in cone.leaves):

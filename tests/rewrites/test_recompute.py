@@ -19,9 +19,10 @@ import tfmem
 from rewrites import passes_for
 from rewrites.solve_in_place import SolveInPlace
 from rewrites.split.order import computed_after
-from rewrites.split.recompute import MAX_INNER, cheap_cone
+from rewrites.split.recompute import MAX_INNER, cheap_cone, recompute_for
 from tfmem.capture import capture
-from tfmem.graph import TensorRef
+from tfmem.graph import GraphError, TensorRef
+from tfmem.memory import estimate_memory
 
 RECOMPUTE = "RecomputeForLateReaders"
 
@@ -159,6 +160,87 @@ def test_gpflow_gpr_gradients_hold_fewer_matrices_and_equal_stock(kernel):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-10)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-8)
+
+
+# --- What orders a copy (`recompute._tie`) -------------------------------------------------
+
+
+def _late_reader_graph(join_with_other_reader: bool):
+    """K = exp(-sqdist(x, x)) read early by a product and late by `K × 2` (its other input a
+    constant, as a loss gradient's seed is), whose result meets `K @ v` only downstream;
+    with `join_with_other_reader`, it meets a second late reader's result instead."""
+    def fn(x, v):
+        k = _kernel(x)
+        early = tf.matmul(k, v)
+        late = k * tf.constant(2.0, tf.float64)
+        if join_with_other_reader:
+            return tf.reduce_sum(late + (k + 1.0) * tf.reduce_sum(early))
+        return tf.reduce_sum(late * tf.matmul(early, v, transpose_b=True))
+    graph = _graph(fn, tf.TensorSpec([300, 3], tf.float64), tf.TensorSpec([300, 8], tf.float64))
+    [k] = [n.name for n in graph.find("Exp")]
+    readers = [(name, slot) for name, slot in graph.consumers(TensorRef(k)) if graph.node(name).op != "MatMul"]
+    return graph, TensorRef(k), readers
+
+
+def test_a_reader_of_constants_gets_a_copy_ordered_by_what_its_result_meets():
+    # `K × 2` reads nothing but K and a constant: a copy tied to the constant is one XLA
+    # folds back into K (GPflow VGP's KL gradient; held across the peak all the same).
+    graph, k, readers = _late_reader_graph(join_with_other_reader=False)
+    [(late, _)] = readers
+    cone = cheap_cone(graph, k, leaf_limit=300 * 300 * 8 // 16)
+    copy = recompute_for(graph, cone, readers, estimate_memory(graph))
+    graph.topological_order()  # no cycle
+    # (K v) vᵀ, the product `late`'s result meets; not x xᵀ in K or in its copy.
+    [meets] = [n.name for n in graph.find("MatMul") if n.name not in graph.ancestors(k.node)
+               and not n.name.startswith("tfmem_recompute") and graph.spec(TensorRef(n.name)).shape[0] == 300
+               and graph.spec(TensorRef(n.name)).shape[1] == 300]
+    assert meets in graph.ancestors(copy.node) and late in graph.descendants(copy.node)
+
+
+def test_a_copy_is_never_ordered_by_what_another_of_its_readers_makes():
+    graph, k, readers = _late_reader_graph(join_with_other_reader=True)
+    assert len(readers) == 2
+    cone = cheap_cone(graph, k, leaf_limit=300 * 300 * 8 // 16)
+    try:
+        copy = recompute_for(graph, cone, readers, estimate_memory(graph))
+    except GraphError as err:  # nothing else orders it: refused, and said why
+        assert "nothing orders a copy" in str(err)
+        return
+    graph.topological_order()  # no cycle
+    assert not any(reader in graph.ancestors(copy.node) for reader, _ in readers)
+
+
+def test_gpflow_vgp_fills_q_sqrt_again_for_its_kl_gradient_and_xla_plans_less():
+    """GPflow's VGP (code nobody here wrote) fills its triangular `q_sqrt` from a variable
+    (TFP's `fill_triangular`: a concatenation, a reshape, a band part), multiplies it early,
+    and reads it again in the KL term's gradient, whose other input is the loss's seed."""
+    import gpflow
+
+    n = 600
+    rng = np.random.default_rng(6)
+    x = rng.uniform(-3, 3, size=(n, 2))
+    y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
+    model = gpflow.models.VGP((x, y), gpflow.kernels.Linear(), gpflow.likelihoods.Gaussian(variance=0.1))
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.training_loss()
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    whole = n * n * 8
+    wrapped = tfmem.function(step, config=tfmem.Config(memory_budget=f"{5 * whole}B"))
+    report = wrapped.explain()
+    # The KL term's gradient reads the filled q_sqrt: made again from the variable.
+    assert [r for r in _records(report) if "ReadVariableOp" in r.reason
+            and r.details["shape"] == f"float64[1, {n}, {n}]"], report.summary()
+    # As written, XLA plans 9.0 whole [n, n] matrices; rewritten 6.1 (7.1 while the copy's
+    # tie was the seed, which XLA folded; TF 2.21 on the CPU).
+    assert report.xla_bytes_after <= report.xla_bytes_before - 2.5 * whole, (report.xla_bytes_before / whole,
+                                                                            report.xla_bytes_after / whole)
+    want = tf.function(step, jit_compile=True)()
+    got = wrapped()
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9 * float(tf.reduce_max(tf.abs(w))))
 
 
 # --- What XLA holds across its own peak (`recompute_across_xla_peak`) ----------------------
