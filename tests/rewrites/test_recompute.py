@@ -53,6 +53,21 @@ def _records(report: tfmem.Report, status: str = "fired") -> list:
     return [r for r in report.records if r.rule == RECOMPUTE and r.status == status]
 
 
+def _regression_data(n: int, d: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-3, 3, size=(n, d))
+    return x, np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
+
+
+def _loss_and_gradients(model):
+    """A GPflow model's training loss and its gradients, the tape inside the function."""
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.training_loss()
+        return loss, tape.gradient(loss, model.trainable_variables)
+    return step
+
+
 def test_the_kernel_matrix_is_made_again_for_the_gradient_and_xla_holds_fewer_matrices(rng):
     n = 600
     x, y, lengthscales = _data(rng, n)
@@ -139,15 +154,8 @@ def test_gpflow_gpr_gradients_hold_fewer_matrices_and_equal_stock(kernel):
     import gpflow
 
     n = 500
-    rng = np.random.default_rng(3)
-    x = rng.uniform(-3, 3, size=(n, 3))
-    y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
-    model = gpflow.models.GPR((x, y), getattr(gpflow.kernels, kernel)(lengthscales=[1.0] * 3))
-
-    def step():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
+    model = gpflow.models.GPR(_regression_data(n, 3, seed=3), getattr(gpflow.kernels, kernel)(lengthscales=[1.0] * 3))
+    step = _loss_and_gradients(model)
 
     whole = n * n * 8
     wrapped = tfmem.function(step, config=tfmem.Config(memory_budget=f"{int(3.5 * whole)}B"))
@@ -217,15 +225,9 @@ def test_gpflow_vgp_fills_q_sqrt_again_for_its_kl_gradient_and_xla_plans_less():
     import gpflow
 
     n = 600
-    rng = np.random.default_rng(6)
-    x = rng.uniform(-3, 3, size=(n, 2))
-    y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
-    model = gpflow.models.VGP((x, y), gpflow.kernels.Linear(), gpflow.likelihoods.Gaussian(variance=0.1))
-
-    def step():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
+    model = gpflow.models.VGP(_regression_data(n, 2, seed=6), gpflow.kernels.Linear(),
+                              gpflow.likelihoods.Gaussian(variance=0.1))
+    step = _loss_and_gradients(model)
 
     whole = n * n * 8
     wrapped = tfmem.function(step, config=tfmem.Config(memory_budget=f"{5 * whole}B"))
