@@ -406,18 +406,18 @@ class Graph:
         """Nodes `name` reads data from or waits on by control edge, each once, in input order."""
         return self._parse(name)[2]
 
-    def ancestors(self, name: str) -> set[str]:
-        """`name` and every node it depends on, through data and control edges."""
-        return self._reachable(name, self.producers)
+    def ancestors(self, *names: str) -> set[str]:
+        """`names` and every node one of them depends on, through data and control edges."""
+        return self._reachable(names, self.producers)
 
-    def descendants(self, name: str) -> set[str]:
-        """`name` and every node that depends on it, through data and control edges."""
-        return self._reachable(name, self.node_consumers)
+    def descendants(self, *names: str) -> set[str]:
+        """`names` and every node that depends on one of them, through data and control edges."""
+        return self._reachable(names, self.node_consumers)
 
     @staticmethod
-    def _reachable(name: str, step: Callable[[str], Iterable[str]]) -> set[str]:
+    def _reachable(names: Iterable[str], step: Callable[[str], Iterable[str]]) -> set[str]:
         seen: set[str] = set()
-        stack = [name]
+        stack = list(names)
         while stack:
             current = stack.pop()
             if current not in seen:

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 # Inputs of the program: resident before the first op runs and until the last.
 RESIDENT_OPS = frozenset({"Placeholder", "Const", "VarHandleOp", "_Arg", "HostConst"})
-_ARG_OPS = frozenset({"Placeholder", "_Arg"})
+# What a program is given: a tensor made from none of these (or a stateful op) is a constant.
+ARG_OPS = frozenset({"Placeholder", "_Arg"})
 WHILE_LOOP_OPS = frozenset({"While", "StatelessWhile"})
 # Ops that write their result into their first input's buffer when nothing reads that
 # input after them, as XLA does (a scatter-add into an accumulator's row block).
@@ -223,7 +224,7 @@ class _Estimator:
             """Whether update `name` may write into `target`'s buffer: the buffer is the
             program's own (or, in a loop body, its state) and nothing reads it after."""
             buffer = buffer_of[target]
-            owned = alloc.get(buffer, 0) > 0 or self.loop_body and graph.node(buffer.node).op in _ARG_OPS
+            owned = alloc.get(buffer, 0) > 0 or self.loop_body and graph.node(buffer.node).op in ARG_OPS
             return owned and all(last_read.get(ref, -1) <= step[name] for ref, b in buffer_of.items() if b == buffer)
 
         for name in order:

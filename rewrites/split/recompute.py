@@ -43,7 +43,7 @@ import tensorflow as tf
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import RESIDENT_OPS, MemoryEstimate, graph_node_for
+from tfmem.memory import ARG_OPS, RESIDENT_OPS, MemoryEstimate, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_PEAK_RULE
 
@@ -64,8 +64,6 @@ _PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMul
 # How many of the ops a reader's result flows into (the first the schedule runs) are
 # searched for a tie when the reader's own inputs are constants.
 _TIE_SEARCH = 32
-# What a program is given: a tensor made from none of these is a constant to XLA.
-_INPUT_OPS = frozenset({"Placeholder", "_Arg"})
 # Factorizations cost about as much as one triangular solve with a square right-hand
 # side: made again only where XLA's own plan shows the factor held across its peak
 # (`recompute_across_xla_peak`), never on the static estimate's word alone.
@@ -170,11 +168,12 @@ def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, i
     what a reader makes: the copy would wait for itself.
     """
     first = min(readers, key=lambda r: position.get(r, -1))
-    downstream = set().union(*(graph.descendants(reader) for reader in readers))
+    downstream = graph.descendants(*readers)
+    varying = _made_from_inputs(graph)
 
     def usable(ref: TensorRef) -> bool:
         return (ref != cone.tensor and ref.node not in downstream and ref.node not in cone.nodes
-                and _can_order(graph, ref))
+                and _can_order(graph, ref, varying))
 
     candidates = [ref for ref in graph.inputs(first) if usable(ref)]
     if not candidates and peak_node in position:
@@ -184,13 +183,20 @@ def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, i
     return max(candidates, key=lambda ref: position.get(ref.node, -1), default=None)
 
 
-def _can_order(graph: Graph, ref: TensorRef) -> bool:
+def _made_from_inputs(graph: Graph) -> set[str]:
+    """The nodes made from what the program is given (or from a stateful op): the rest are
+    constants to XLA."""
+    return graph.descendants(*(node.name for node in graph.nodes
+                               if node.op in ARG_OPS or graph.is_stateful(node.name)))
+
+
+def _can_order(graph: Graph, ref: TensorRef, varying: set[str]) -> bool:
     """Whether `ref` is a floating-point tensor with elements, made by an op (not held)
-    from something the program is given: one XLA cannot compute before it runs."""
+    from something the program is given (`varying`, from `_made_from_inputs`): one XLA
+    cannot compute before it runs."""
     spec = graph.spec(ref)
-    if not spec.dtype.is_floating or not (spec.shape.num_elements() or 0) or graph.node(ref.node).op in RESIDENT_OPS:
-        return False
-    return any(graph.node(name).op in _INPUT_OPS or graph.is_stateful(name) for name in graph.ancestors(ref.node))
+    return (spec.dtype.is_floating and (spec.shape.num_elements() or 0) > 0
+            and graph.node(ref.node).op not in RESIDENT_OPS and ref.node in varying)
 
 
 def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
