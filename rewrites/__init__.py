@@ -22,7 +22,7 @@ from rewrites.diag_of_product import ContractDiagOfProduct
 from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
 from rewrites.scale_by_diagonal import ScaleByDiagonal
-from rewrites.split import RecomputeAcrossXlaPeak, SplitOversizedRegions
+from rewrites.split import RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, SplitOversizedRegions
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
@@ -33,7 +33,7 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
                           ComposeBandParts),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
-    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, SolveInPlace),
+    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, SolveInPlace),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

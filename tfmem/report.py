@@ -50,8 +50,10 @@ XLA_CHECKED_RULE = "WithXlaCheckedPasses"
 XLA_PEAK_RULE = "RecomputeAcrossXlaPeak"
 # The rule of `rewrites.split.planner.Planner.shrink_at_xla_peaks`: a loop XLA peaks in, in smaller chunks.
 XLA_SHRINK_RULE = "ShrinkLoopAtXlaPeak"
+# The rule of `rewrites.split.earlier.reduce_before_xla_peak`: what XLA reduced at its peak, reduced first.
+XLA_EARLIER_RULE = "ReduceBeforeXlaPeak"
 # The rules that act on XLA's peak (`PassContext.xla_peaks`): a plan they change is compiled and checked again.
-XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE})
+XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +274,7 @@ class Report:
             peaks += f" (XLA plans {format_size(self.xla_bytes_after)})"
         elif self.budget is not None and self.compiled is not None and self.config.jit_compile:
             peaks += f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)"
-        loops = [r for r in self.splits if "recomputed_in" not in r.details and "recomputed_for" not in r.details]
+        loops = [r for r in self.splits if not {"recomputed_in", "recomputed_for", "before"} & set(r.details)]
         chunks = sum(int(r.details.get("chunks", 0)) for r in loops)
         split = (f"{len(loops)} loop{'s' * (len(loops) != 1)} in {chunks} chunks" if loops
                  else "nothing split")
@@ -281,6 +283,8 @@ class Report:
                       f"{sunk.details['recomputed_in']}, not held")
         for again in (r for r in self.splits if "recomputed_for" in r.details):  # rewrites.split.recompute
             split += f"; {again.details['tensor']} {again.details['shape']} made again for its late readers, not held"
+        for earlier in (r for r in self.splits if "before" in r.details):  # rewrites.split.earlier
+            split += f"; {earlier.details['results']} reduced before XLA makes {earlier.details['before']}"
         if self.budget is None:
             if self.config.budget_off:
                 return f"no bound (memory_budget: off): {peaks}; {split}"

@@ -39,7 +39,7 @@ from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES, XLA_SHRINK_RULE,
+from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES, XLA_SHRINK_RULE,
                           Report)
 
 
@@ -381,7 +381,8 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
         kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
             f"kept: with {changes}, XLA plans {format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)}), "
-            f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)}) without"))
+            f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)}) without"),
+            details={"xla_with_bytes": planned.total_bytes, "xla_without_bytes": plan.total_bytes})
         rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
                                         seconds=compiled.rewritten.seconds + again.seconds)
         compiled = dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned,
@@ -393,6 +394,8 @@ def _xla_peak_change(record: RewriteRecord) -> str:
     """What a rule acting on XLA's peak changed, in a few words."""
     if record.rule == XLA_SHRINK_RULE:
         return f"loop {record.details.get('loop')} in chunks of {record.details.get('chunk')}"
+    if record.rule == XLA_EARLIER_RULE:
+        return f"{record.details.get('tensor')} reduced before {record.details.get('before')}"
     return f"{record.details.get('tensor')} made again after XLA's peak"
 
 

@@ -29,9 +29,10 @@ from tfmem.passes import GraphPass, PassResult
 
 from rewrites.split.planner import Planner
 from rewrites.split.op_rules import SUPPORTED_OPS
+from rewrites.split.earlier import reduce_before_xla_peak
 from rewrites.split.recompute import recompute_across_xla_peak
 
-__all__ = ["RecomputeAcrossXlaPeak", "SplitOversizedRegions", "SUPPORTED_OPS"]
+__all__ = ["RecomputeAcrossXlaPeak", "ReduceBeforeXlaPeak", "SplitOversizedRegions", "SUPPORTED_OPS"]
 
 
 class SplitOversizedRegions(GraphPass):
@@ -85,4 +86,26 @@ class RecomputeAcrossXlaPeak(GraphPass):
     def run(self, graph: Graph, context: PassContext) -> PassResult:
         records = [record for peak in context.xla_peaks
                    for record in recompute_across_xla_peak(graph, peak, self.name)]
+        return PassResult(graph, any(r.status == "fired" for r in records), records)
+
+
+class ReduceBeforeXlaPeak(GraphPass):
+    """Reduces first what XLA reduced at its peak, when a plan XLA compiled did not fit.
+
+    Like `RecomputeAcrossXlaPeak`, it acts on XLA's live set at its peak
+    (`PassContext.xla_peaks`): when the op there makes a big temporary that is reduced to
+    a small result no gradient waits for (a loss's variance term), the first tensor XLA
+    made beside it after its inputs were ready waits for that result instead
+    (`earlier.reduce_before_xla_peak`); XLA's next plan decides whether it stays.
+    Without that context it does nothing.
+    """
+
+    name = "reduce_before_xla_peak"
+    stage = "split"
+    runs_once = True
+    reads = frozenset({"memory_budget"})
+
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        records = [record for peak in context.xla_peaks
+                   for record in reduce_before_xla_peak(graph, peak, self.name)]
         return PassResult(graph, any(r.status == "fired" for r in records), records)

@@ -4,7 +4,9 @@ XLA schedules by data alone: TensorFlow's control edges do not reach it, and its
 pipeline removes `XlaOptimizationBarrier`s before common-subexpression elimination. A
 data dependency that changes no bit is what orders a copy after the peak it must not
 precede (`rewrites.split.recompute`) and each row block of a product after the previous
-block's update (`rewrites.split.loops`).
+block's update (`rewrites.split.loops`), and a reduction before what XLA ran it beside
+(`rewrites.split.earlier`). The tie must be a value XLA cannot know before the program
+runs (`can_order`): a constant it folds, and the order with it.
 
 Example:
     >>> x, y = tf.constant([1.0, -0.0]), tf.constant([3.0])
@@ -15,6 +17,9 @@ Example:
 from __future__ import annotations
 
 import tensorflow as tf
+
+from tfmem.graph import Graph, TensorRef
+from tfmem.memory import ARG_OPS, RESIDENT_OPS
 
 
 def computed_after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
@@ -35,3 +40,19 @@ def computed_after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
         else:
             passed.append(leaf)
     return passed
+
+
+def made_from_inputs(graph: Graph) -> set[str]:
+    """The nodes made from what the program is given (or from a stateful op): the rest are
+    constants to XLA."""
+    return graph.descendants(*(node.name for node in graph.nodes
+                               if node.op in ARG_OPS or graph.is_stateful(node.name)))
+
+
+def can_order(graph: Graph, ref: TensorRef, varying: set[str]) -> bool:
+    """Whether `ref` is a floating-point tensor with elements, made by an op (not held)
+    from something the program is given (`varying`, from `made_from_inputs`): one XLA
+    cannot compute before it runs, so a tie for `computed_after`."""
+    spec = graph.spec(ref)
+    return (spec.dtype.is_floating and (spec.shape.num_elements() or 0) > 0
+            and graph.node(ref.node).op not in RESIDENT_OPS and ref.node in varying)

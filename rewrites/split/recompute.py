@@ -43,18 +43,18 @@ import tensorflow as tf
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import ARG_OPS, RESIDENT_OPS, MemoryEstimate, graph_node_for
+from tfmem.memory import MemoryEstimate, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_PEAK_RULE
 
 from rewrites.split.cone import Cone, grow_cone
 from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
-from rewrites.split.order import computed_after
+from rewrites.split.order import can_order, computed_after, made_from_inputs
 
 RECOMPUTE_RULE = "RecomputeForLateReaders"
 # Ops whose cost is proportional to what they read or write: recomputing them costs about
 # as much as reading the tensor back from memory would.
-_CHEAP_OPS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
+CHEAP_OPS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
     "ExpandDims", "Squeeze", "Reshape", "BroadcastTo", "Tile", "Fill", "Transpose", "Const",
     "Sum", "Mean", "Max", "Min", "Prod", "MatrixSetDiagV3", "MatrixDiagV3", "MatrixDiagPartV3",
     "MatrixBandPart", "Select", "ZerosLike", "OnesLike",
@@ -101,7 +101,7 @@ def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizatio
             if inner is None or inner > MAX_INNER:
                 return f"{tensor.name} is made by {name} ({op}), a product over {inner or 'unknown'} terms"
             return None
-        return None if op in _CHEAP_OPS else f"{tensor.name} is made by {name} ({op}), which is not cheap to recompute"
+        return None if op in CHEAP_OPS else f"{tensor.name} is made by {name} ({op}), which is not cheap to recompute"
 
     return grow_cone(graph, tensor, leaf_limit=leaf_limit, refuse=refuse, max_nodes=_MAX_CONE_NODES,
                      resident_leaves=True)
@@ -169,11 +169,11 @@ def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, i
     """
     first = min(readers, key=lambda r: position.get(r, -1))
     downstream = graph.descendants(*readers)
-    varying = _made_from_inputs(graph)
+    varying = made_from_inputs(graph)
 
     def usable(ref: TensorRef) -> bool:
         return (ref != cone.tensor and ref.node not in downstream and ref.node not in cone.nodes
-                and _can_order(graph, ref, varying))
+                and can_order(graph, ref, varying))
 
     candidates = [ref for ref in graph.inputs(first) if usable(ref)]
     if not candidates and peak_node in position:
@@ -181,22 +181,6 @@ def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, i
         candidates = [ref for name in nearby for ref in graph.inputs(name)
                       if position.get(ref.node, -1) > position[peak_node] and usable(ref)]
     return max(candidates, key=lambda ref: position.get(ref.node, -1), default=None)
-
-
-def _made_from_inputs(graph: Graph) -> set[str]:
-    """The nodes made from what the program is given (or from a stateful op): the rest are
-    constants to XLA."""
-    return graph.descendants(*(node.name for node in graph.nodes
-                               if node.op in ARG_OPS or graph.is_stateful(node.name)))
-
-
-def _can_order(graph: Graph, ref: TensorRef, varying: set[str]) -> bool:
-    """Whether `ref` is a floating-point tensor with elements, made by an op (not held)
-    from something the program is given (`varying`, from `_made_from_inputs`): one XLA
-    cannot compute before it runs."""
-    spec = graph.spec(ref)
-    return (spec.dtype.is_floating and (spec.shape.num_elements() or 0) > 0
-            and graph.node(ref.node).op not in RESIDENT_OPS and ref.node in varying)
 
 
 def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
@@ -234,6 +218,17 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     return copied
 
 
+def xla_schedule(graph: Graph, xla_estimate: MemoryEstimate) -> dict[str, int]:
+    """The nodes of `graph` by their first step in XLA's schedule (`xla_estimate.steps`,
+    from `XlaPlan.peak`); an op XLA fused into another has no step of its own."""
+    order: dict[str, int] = {}
+    for op in xla_estimate.steps:
+        node = graph_node_for(graph, op)
+        if node is not None and node not in order:
+            order[node] = len(order)
+    return order
+
+
 def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,
                               *, worth: int = 16) -> list[RewriteRecord]:
     """Makes again, for their readers after it, the tensors XLA holds across its peak.
@@ -249,11 +244,7 @@ def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name:
     it only if XLA's plan then fits better. Returns a record per tensor tried.
     """
     peak_node = graph_node_for(graph, xla_peak.peak_node or "")
-    xla_order: dict[str, int] = {}
-    for op in xla_peak.steps:
-        node = graph_node_for(graph, op)
-        if node is not None and node not in xla_order:
-            xla_order[node] = len(xla_order)
+    xla_order = xla_schedule(graph, xla_peak)
     if peak_node is None or peak_node not in xla_order:
         return [RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", kind="split", reason=(
             f"XLA's peak, at {xla_peak.peak_node}, is at no op of the program's own graph"))]
