@@ -23,9 +23,12 @@ enough to hold whole.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tfmem.context import PassContext
 from tfmem.graph import Graph
-from tfmem.passes import GraphPass, PassResult
+from tfmem.memory import MemoryEstimate
+from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.split.planner import Planner
 from rewrites.split.op_rules import SUPPORTED_OPS
@@ -68,44 +71,39 @@ class SplitOversizedRegions(GraphPass):
         return PassResult(planner.graph, bool(planner.loops), planner.records, verdict=verdict)
 
 
-class RecomputeAcrossXlaPeak(GraphPass):
-    """Makes again what XLA held across its peak, when a plan XLA compiled did not fit.
+class _ActOnXlaPeaks(GraphPass):
+    """A pass that changes the graph where XLA peaked in an earlier compile that did not fit.
 
-    `compile_within_budget` runs the pipeline once more with XLA's live set at its peak
-    in the context (`PassContext.xla_peaks`); this pass then recomputes, for their late
-    readers, the tensors XLA kept alive there but did not read
-    (`recompute.recompute_across_xla_peak`), and XLA's next plan decides whether it stays.
-    Without that context it does nothing.
+    `compile_within_budget` runs the pipeline once more with XLA's live sets at its peaks
+    in the context (`PassContext.xla_peaks`); `act` reads one of them and returns its
+    records, and XLA's next plan decides whether the change stays. Without that context
+    the pass does nothing.
     """
+
+    stage = "split"
+    runs_once = True
+    reads = frozenset({"memory_budget"})
+    act: Callable[[Graph, MemoryEstimate, str], list[RewriteRecord]]
+
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        records = [record for peak in context.xla_peaks for record in type(self).act(graph, peak, self.name)]
+        return PassResult(graph, any(r.status == "fired" for r in records), records)
+
+
+class RecomputeAcrossXlaPeak(_ActOnXlaPeaks):
+    """Makes again what XLA held across its peak, when a plan XLA compiled did not fit:
+    the tensors XLA kept alive there for readers after it, but did not read, are made
+    again for those readers (`recompute.recompute_across_xla_peak`)."""
 
     name = "recompute_across_xla_peak"
-    stage = "split"
-    runs_once = True
-    reads = frozenset({"memory_budget"})
-
-    def run(self, graph: Graph, context: PassContext) -> PassResult:
-        records = [record for peak in context.xla_peaks
-                   for record in recompute_across_xla_peak(graph, peak, self.name)]
-        return PassResult(graph, any(r.status == "fired" for r in records), records)
+    act = staticmethod(recompute_across_xla_peak)
 
 
-class ReduceBeforeXlaPeak(GraphPass):
-    """Reduces first what XLA reduced at its peak, when a plan XLA compiled did not fit.
-
-    Like `RecomputeAcrossXlaPeak`, it acts on XLA's live set at its peak
-    (`PassContext.xla_peaks`): when the op there makes a big temporary that is reduced to
-    a small result no gradient waits for (a loss's variance term), the first tensor XLA
-    made beside it after its inputs were ready waits for that result instead
-    (`earlier.reduce_before_xla_peak`); XLA's next plan decides whether it stays.
-    Without that context it does nothing.
-    """
+class ReduceBeforeXlaPeak(_ActOnXlaPeaks):
+    """Reduces first what XLA reduced at its peak, when a plan XLA compiled did not fit:
+    when the op there makes a big temporary that is reduced to a small result no gradient
+    waits for (a loss's variance term), the first tensor XLA made beside it after its
+    inputs were ready waits for that result instead (`earlier.reduce_before_xla_peak`)."""
 
     name = "reduce_before_xla_peak"
-    stage = "split"
-    runs_once = True
-    reads = frozenset({"memory_budget"})
-
-    def run(self, graph: Graph, context: PassContext) -> PassResult:
-        records = [record for peak in context.xla_peaks
-                   for record in reduce_before_xla_peak(graph, peak, self.name)]
-        return PassResult(graph, any(r.status == "fired" for r in records), records)
+    act = staticmethod(reduce_before_xla_peak)
