@@ -681,6 +681,17 @@ def graph_node_for(graph: Graph, xla_name: str) -> str | None:
     return None
 
 
+def xla_schedule(graph: Graph, xla_estimate: MemoryEstimate) -> dict[str, int]:
+    """The nodes of `graph` by their first step in XLA's schedule (`xla_estimate.steps`,
+    from `XlaPlan.peak`); an op XLA fused into another has no step of its own."""
+    order: dict[str, int] = {}
+    for op in xla_estimate.steps:
+        node = graph_node_for(graph, op)
+        if node is not None and node not in order:
+            order[node] = len(order)
+    return order
+
+
 def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:
     """The `XlaPlan` of a serialized HloProto (its `buffer_assignment`)."""
     from tensorflow.compiler.xla.service import hlo_pb2

@@ -39,8 +39,8 @@ from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES, XLA_SHRINK_RULE,
-                          Report)
+from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES,
+                          XLA_SHRINK_RULE, Report)
 
 
 @dataclasses.dataclass(frozen=True)

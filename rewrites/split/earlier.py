@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from tfmem.config import format_size
 from tfmem.graph import Graph, GraphError, TensorRef
-from tfmem.memory import MemoryEstimate, graph_node_for
+from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_EARLIER_RULE
 
 from rewrites.split.order import can_order, computed_after, made_from_inputs
-from rewrites.split.recompute import CHEAP_OPS, xla_schedule
+from rewrites.split.recompute import CHEAP_OPS
 
 # How many ops a big temporary may flow through (elementwise maps, reshapes) before it is
 # reduced to a small result.
@@ -119,7 +119,7 @@ def reduce_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: st
             break  # largest first: the rest are small
         node = graph_node_for(graph, live.name)
         if (node is None or " (" in live.name or node in needed or node in after or node in walked
-                or xla_order.get(node, -1) <= ready or node not in xla_order):
+                or node not in xla_order or xla_order[node] <= ready):
             continue
         candidates.append(node)
     if not candidates:

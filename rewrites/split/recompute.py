@@ -43,7 +43,7 @@ import tensorflow as tf
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import MemoryEstimate, graph_node_for
+from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_PEAK_RULE
 
@@ -216,17 +216,6 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     for reader, slot in readers:
         graph.set_input(reader, slot, copied)
     return copied
-
-
-def xla_schedule(graph: Graph, xla_estimate: MemoryEstimate) -> dict[str, int]:
-    """The nodes of `graph` by their first step in XLA's schedule (`xla_estimate.steps`,
-    from `XlaPlan.peak`); an op XLA fused into another has no step of its own."""
-    order: dict[str, int] = {}
-    for op in xla_estimate.steps:
-        node = graph_node_for(graph, op)
-        if node is not None and node not in order:
-            order[node] = len(order)
-    return order
 
 
 def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,
