@@ -7,6 +7,7 @@ its class to `PASSES_BY_STAGE`.
 from __future__ import annotations
 
 from rewrites.add_diagonal import AddDiagonal
+from rewrites.cholesky_gradient import LeanCholeskyGradient
 from rewrites.cleanup import ForwardIdentities
 from rewrites.compose_band_parts import ComposeBandParts
 from rewrites.compose_transposes import ComposeTransposes
@@ -29,7 +30,8 @@ from tfmem.passes import GraphPass
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, MergeDuplicates, GrapplerCleanup,
                 DropOrderOnlyControlEdges),
-    "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, SolveInsteadOfInverse, ComposeTransposes,
+    "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, LeanCholeskyGradient,
+                          SolveInsteadOfInverse, ComposeTransposes,
                           ComposeBandParts),
     "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.

@@ -53,6 +53,7 @@ from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
 from tfmem.pattern import Emitted, RegionRule
 
+from rewrites._row_panels import RowPanels
 from rewrites.split.loops import in_split_loop
 
 SOLVE_DTYPES = frozenset({tf.float32, tf.float64})
@@ -93,11 +94,9 @@ def substitute_in_place(factor: tf.Tensor, rhs: tf.Tensor, *, lower: bool, adjoi
         True
     """
     n, m = int(rhs.shape[-2]), int(rhs.shape[-1])
-    batch = rhs.shape[:-2].as_list()
     forward = lower != adjoint
     full_blocks, remainder = divmod(n, block)
-    zeros = [0] * len(batch)
-    whole = [-1] * len(batch)
+    panels = RowPanels(rhs.shape[:-2].as_list(), m)
 
     def block_start(j: tf.Tensor | int) -> tf.Tensor | int:
         return j * block if forward else n - (j + 1) * block
@@ -105,28 +104,20 @@ def substitute_in_place(factor: tf.Tensor, rhs: tf.Tensor, *, lower: bool, adjoi
     def op_factor(rows: tf.Tensor | int, size: int, cols: tf.Tensor | int, width: int) -> tf.Tensor:
         """op(factor)[rows:rows+size, cols:cols+width], without forming op(factor)."""
         if not adjoint:
-            return tf.slice(factor, [*zeros, rows, cols], [*whole, size, width])
-        return tf.linalg.matrix_transpose(tf.slice(factor, [*zeros, cols, rows], [*whole, width, size]))
-
-    def rows_of(x: tf.Tensor, start: tf.Tensor | int, size: int) -> tf.Tensor:
-        return tf.slice(x, [*zeros, start, 0], [*whole, size, m])
-
-    def row_indices(start: tf.Tensor | int, size: int) -> tf.Tensor:
-        """Scatter indices of rows [start, start+size) in every batch member: [*batch, size, rank-1]."""
-        axes = [tf.range(d) for d in batch] + [start + tf.range(size)]
-        return tf.stack(tf.meshgrid(*axes, indexing="ij"), axis=-1)
+            return panels.block(factor, rows, cols, size, width)
+        return tf.linalg.matrix_transpose(panels.block(factor, cols, rows, width, size))
 
     def solve_rows(x: tf.Tensor, start: tf.Tensor | int, size: int, done: tf.Tensor | int) -> tf.Tensor:
         """`x` with rows [start, start+size) solved, given the first `done` blocks are."""
         def subtract_block(j: tf.Tensor, residual: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
             cols = block_start(j)
-            return j + 1, residual - tf.linalg.matmul(op_factor(start, size, cols, block), rows_of(x, cols, block))
+            return j + 1, residual - tf.linalg.matmul(op_factor(start, size, cols, block), panels.rows(x, cols, block))
 
         _, residual = tf.while_loop(lambda j, _: j < done, subtract_block,
-                                    (tf.constant(0), rows_of(x, start, size)))
-        diagonal = tf.slice(factor, [*zeros, start, start], [*whole, size, size])
+                                    (tf.constant(0), panels.rows(x, start, size)))
+        diagonal = panels.block(factor, start, start, size, size)
         solved = tf.linalg.triangular_solve(diagonal, residual, lower=lower, adjoint=adjoint)
-        return tf.tensor_scatter_nd_update(x, row_indices(start, size), solved)
+        return panels.put(x, start, solved)
 
     _, x = tf.while_loop(lambda i, _: i < full_blocks,
                          lambda i, x: (i + 1, solve_rows(x, block_start(i), block, i)),

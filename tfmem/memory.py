@@ -216,7 +216,7 @@ class _Estimator:
         alloc: dict[TensorRef, int] = {}
         last_use: dict[TensorRef, int] = {}
         last_read: dict[TensorRef, int] = {}  # tensor → its last reader's step (asked by updates in place)
-        if any(graph.node(name).op in IN_PLACE_UPDATE_OPS for name in order):
+        if any(graph.node(name).op in IN_PLACE_UPDATE_OPS | WHILE_LOOP_OPS for name in order):
             for name in order:
                 last_read.update((ref, step[name]) for ref in graph.inputs(name))
 
@@ -241,6 +241,12 @@ class _Estimator:
                 if graph.aliases_input(name) and inputs or index in passed:
                     source = inputs[passed.get(index, index if node.op == "IdentityN" else 0)]
                     buffer_of[ref] = buffer_of[source]
+                    continue
+                if node.op in WHILE_LOOP_OPS and index < len(inputs) and overwrites(name, inputs[index]) \
+                        and self._bytes(ref) == size.get(buffer_of[inputs[index]], -1):
+                    # XLA's loop state lives in its initial value's buffer when nothing
+                    # reads that value after the loop (an in-place loop holds its matrix once).
+                    buffer_of[ref] = buffer_of[inputs[index]]
                     continue
                 buffer_of[ref] = ref
                 size[ref] = self._bytes(ref)

@@ -240,3 +240,38 @@ def test_a_scatter_update_writes_into_its_dead_operand_as_xla_does() -> None:
     # The input, the accumulator and one block's update (a slice and its double): not a
     # new accumulator per update (that would be 3 whole at the first scatter).
     assert estimate.peak_bytes < 2 * whole + 3 * block, estimate.peak_bytes / whole
+
+
+def test_a_loop_whose_initial_state_nothing_reads_after_it_keeps_that_buffer() -> None:
+    """XLA runs a `While` in its initial value's buffer when nothing reads that value after
+    the loop: a loop that rewrites a matrix in place holds it once, not twice."""
+    def rewrite_rows(x: tf.Tensor) -> tf.Tensor:  # x [1024, 1024] f64 = 8 MiB
+        start = tf.exp(x)  # the loop's initial state, read by the loop only
+
+        def body(i: tf.Tensor, a: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            rows = tf.slice(a, [i * 128, 0], [128, 1024])
+            return i + 1, tf.tensor_scatter_nd_update(a, (i * 128 + tf.range(128))[:, None], rows * 2.0)
+
+        return tf.reduce_sum(tf.while_loop(lambda i, _: i < 8, body, (0, start))[1])
+
+    graph = graph_of(rewrite_rows, tf.TensorSpec([1024, 1024], tf.float64))
+    whole = 1024 * 1024 * 8
+    estimate = estimate_memory(graph)
+    # x, the state, and the body's panels; not a second state for the loop's result.
+    assert estimate.peak_bytes < 2.5 * whole, estimate.peak_bytes / whole
+    xla = xla_planned_bytes(tf.function(rewrite_rows, jit_compile=True), tf.ones([1024, 1024], tf.float64))
+    assert xla < 2.5 * whole, xla / whole  # what XLA plans agrees
+
+
+def test_a_loop_whose_initial_state_is_read_after_it_gets_a_buffer_of_its_own() -> None:
+    def rewrite_rows_and_keep(x: tf.Tensor) -> tf.Tensor:
+        start = tf.exp(x)
+
+        def body(i: tf.Tensor, a: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            return i + 1, a * 2.0
+
+        result = tf.while_loop(lambda i, _: i < 8, body, (0, start))[1]
+        return tf.reduce_sum(result) + tf.reduce_sum(start)  # the initial value, read after the loop
+
+    graph = graph_of(rewrite_rows_and_keep, tf.TensorSpec([1024, 1024], tf.float64))
+    assert estimate_memory(graph).peak_bytes >= 3 * 1024 * 1024 * 8
