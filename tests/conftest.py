@@ -1,4 +1,5 @@
-"""Shared fixtures: a seeded numpy generator and quiet TensorFlow."""
+"""Shared fixtures (a seeded numpy generator, quiet TensorFlow) and the order tests run in:
+background jobs (tests/background.py) and the corpus's trials start when collection ends."""
 from __future__ import annotations
 
 import os
@@ -8,25 +9,44 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import pytest
 
+from tests import background
+
 
 def _is_corpus_test(item: pytest.Item) -> bool:
     return item.path.name == "test_corpus.py" and item.path.parent.name == "benchmarks"
 
 
+def _order(item: pytest.Item) -> int:
+    """0: an ordinary test; 1: it reads a background job; 2: a corpus test (the longest queue)."""
+    if _is_corpus_test(item):
+        return 2
+    return 1 if background.job_of(item) else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{background.MARKER}(name): the test reads background job `name` "
+                                       "(tests/background.py)")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The corpus tests last: their isolated processes run beside every other test first."""
-    items.sort(key=_is_corpus_test)  # stable: each group keeps its order
+    """Tests that read background jobs last, the corpus's after them: the jobs run beside the rest."""
+    items.sort(key=_order)  # stable: each group keeps its order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Starts the corpus trial processes as soon as the tests are known (see test_corpus.py)."""
+    """Starts the background jobs and the corpus trials as soon as the tests are known."""
+    if session.config.option.collectonly:
+        return
+    background.pool(background.workers(only_background=all(_order(item) > 0 for item in session.items)))
+    background.start(dict.fromkeys(job for item in session.items if (job := background.job_of(item))))
     corpus = next((item for item in session.items if _is_corpus_test(item)), None)
-    if corpus is not None and not session.config.option.collectonly:
+    if corpus is not None:
         corpus.module.start_selected(session.items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A session that stops early (-x, Ctrl-C) does not wait for trials nobody will read."""
+    """A session that stops early (-x, Ctrl-C) does not wait for work nobody will read."""
+    background.cancel_pending()
     corpus = next((item for item in session.items if _is_corpus_test(item)), None)
     if corpus is not None:
         corpus.module.cancel_pending()

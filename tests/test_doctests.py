@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests import background
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("tfmem", "gpflow_integration", "benchmarks")
 
@@ -102,23 +104,32 @@ def _failures(name: str, names: dict[str, Any] | None = None) -> list[str]:
 def _failures_on_split_cpu(name: str) -> list[str]:
     """`_failures` in a process whose CPU is split into two logical devices first (run
     isolated), with `strategy`, a MirroredStrategy over them."""
+    import os
+
     import tensorflow as tf
 
     from tfmem.distribute import split_cpu
 
+    os.chdir(REPO)  # the examples run from the repository root
     strategy = tf.distribute.MirroredStrategy(split_cpu(2))
     return _failures(name, {"strategy": strategy})
 
 
-@pytest.mark.parametrize("name", WITH_EXAMPLES)
-def test_docstring_examples(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO)
-    if name in ON_SPLIT_CPU:
+def _split_cpu_job(name: str) -> str:
+    """The background job (tests/background.py) that runs `name`'s examples on a split CPU."""
+    def run() -> list[str]:
         from tfmem.isolation import run_isolated
 
         result = run_isolated("tests.test_doctests:_failures_on_split_cpu", name, timeout=900)
         assert result.ok, f"{name}: the examples' process ended {result.status}: {result.error}"
-        failures = result.value
-    else:
-        failures = _failures(name)
+        return result.value
+
+    return background.job(f"doctests:{name}")(run) and f"doctests:{name}"
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.background(_split_cpu_job(name)))
+                                  if name in ON_SPLIT_CPU else name for name in WITH_EXAMPLES])
+def test_docstring_examples(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    failures = background.result(f"doctests:{name}") if name in ON_SPLIT_CPU else _failures(name)
     assert not failures, "".join(failures)

@@ -103,21 +103,25 @@ def tfmem_record(program: Program, mode: str, *, timeout: float) -> dict[str, An
 Task = tuple[str, str, str]  # (program, "tfmem" or "stock", mode)
 
 
-def start_trials(tasks: Sequence[Task], *, timeout: float,
-                 jobs: int) -> list[concurrent.futures.Future[dict[str, Any]]]:
-    """Starts every task's isolated process(es), `jobs` at a time, in order; one future per task.
+def start_trials(tasks: Sequence[Task], *, timeout: float, jobs: int = 1,
+                 pool: concurrent.futures.Executor | None = None) -> list[concurrent.futures.Future[dict[str, Any]]]:
+    """Starts every task's isolated process(es), in order; one future per task.
 
-    Each process still has its own allocator limit; running two at a time only shares
-    the machine's cores (2 on CI), as the benchmark harness's OOM searches do.
+    They run in `pool` (the test suite's, shared with its other background work) or,
+    without one, `jobs` at a time. Each process still has its own allocator limit;
+    running two at a time only shares the machine's cores (2 on CI), as the benchmark
+    harness's OOM searches do.
     """
     def run(name: str, kind: str, mode: str) -> dict[str, Any]:
         if kind == "stock":
             return isolated(STOCK_TARGET, PROGRAMS[name], timeout=timeout)
         return tfmem_record(PROGRAMS[name], mode, timeout=timeout)
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs))
-    futures = [pool.submit(run, *task) for task in tasks]
-    pool.shutdown(wait=False)
+    own = pool is None
+    executor = pool if pool is not None else concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs))
+    futures = [executor.submit(run, *task) for task in tasks]
+    if own:
+        executor.shutdown(wait=False)
     return futures
 
 

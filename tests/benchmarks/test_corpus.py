@@ -11,8 +11,9 @@ run again in two processes, so that the crash is pinned on the step that crashed
 
 The processes of all selected programs start when collection ends (`tests/conftest.py`
 calls `start_selected` and moves this file's tests last), so they run beside the rest of
-the suite: `CORPUS_JOBS` at a time (default 1 beside other tests, 2 when only this file
-runs); each has its own allocator limit. A process stopped by the hang guard
+the suite, in the suite's background pool (`tests/background.py`: `TFMEM_TEST_JOBS` at a
+time, default 1 beside other tests, 2 when only background tests run); each has its own
+allocator limit. A process stopped by the hang guard
 (`CORPUS_TIMEOUT` seconds, default 1800) fails its tests as a *timeout*, never as
 tfmem running out of memory or answering wrongly.
 
@@ -32,6 +33,7 @@ import pytest
 from benchmarks.corpus.programs import CI_PROGRAMS, PROGRAMS
 from benchmarks.corpus.run import failure_reason, start_trials, tfmem_step
 from benchmarks.corpus.trial import compare
+from tests import background
 from tfmem.config import format_size
 
 _TIMEOUT = float(os.environ.get("CORPUS_TIMEOUT", "1800"))
@@ -48,8 +50,7 @@ def start_selected(items: list[pytest.Item]) -> None:
     selected = {item.callspec.params["name"] for item in mine
                 if hasattr(item, "callspec") and "name" in item.callspec.params}
     names = [name for name in CI_PROGRAMS if name in selected]
-    jobs = int(os.environ.get("CORPUS_JOBS", "2" if len(mine) == len(items) else "1"))
-    futures = start_trials([(name, "tfmem", "budget") for name in names], timeout=_TIMEOUT, jobs=jobs)
+    futures = start_trials([(name, "tfmem", "budget") for name in names], timeout=_TIMEOUT, pool=background.pool())
     _started = dict(zip(names, futures))
 
 

@@ -8,28 +8,36 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
+from tests import background
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out_dir = tmp_path_factory.mktemp("quick")
+@background.job("harness_quick")
+def harness_quick() -> tuple[dict, str]:
+    """`python -m benchmarks.harness --quick` into a fresh directory (runs beside the other tests).
+
+    No time limit but the hang guard's: the harness's own time caps scale with the machine's load.
+    """
+    out_dir = tempfile.mkdtemp(prefix="tfmem-harness-quick-")
     out = os.path.join(out_dir, "results.json")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    # No wall-clock limit here: the harness's own time caps scale with the machine's load.
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.harness", "--quick", f"--out={out}"],
-                          cwd=REPO, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    background.run_command([sys.executable, "-m", "benchmarks.harness", "--quick", f"--out={out}"], cwd=REPO)
     with open(out) as f:
-        return json.load(f), str(out_dir)
+        return json.load(f), out_dir
 
 
+@pytest.fixture(scope="module")
+def quick_run() -> tuple[dict, str]:
+    return background.result("harness_quick")
+
+
+@pytest.mark.background("harness_quick")
 def test_quick_run_detects_oom_and_ok(quick_run: tuple[dict, str]) -> None:
     data, _ = quick_run
     statuses = {(t["method"], t["size"]): t["status"] for t in data["trials"]}
@@ -42,6 +50,7 @@ def test_quick_run_detects_oom_and_ok(quick_run: tuple[dict, str]) -> None:
     assert tfmem_trial["splits"] >= 1
 
 
+@pytest.mark.background("harness_quick")
 def test_quick_run_oom_points_and_ratios(quick_run: tuple[dict, str]) -> None:
     data, _ = quick_run
     points = {p["method"]: p for p in data["oom_points"]}
@@ -55,6 +64,7 @@ def test_quick_run_oom_points_and_ratios(quick_run: tuple[dict, str]) -> None:
     assert speed["ratios"]["tfmem/xla"] > 0
 
 
+@pytest.mark.background("harness_quick")
 def test_quick_run_writes_report(quick_run: tuple[dict, str]) -> None:
     _, out_dir = quick_run
     with open(os.path.join(out_dir, "RESULTS.md")) as f:

@@ -1,41 +1,46 @@
 """`tfmem compare`: the quick sweep's headline, its output, and bad input as one clear line."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import background
 from gpflow_integration import compare
 from gpflow_integration.compare import main, render
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, str, Path]:
-    """One `tfmem compare --quick`, shared by the tests below.
+@background.job("compare_quick")
+def compare_quick() -> tuple[int, str, str, Path]:
+    """One `tfmem compare --quick` in its own process (beside the other tests), shared by
+    the tests below: its exit status, output and directory.
 
-    No time limit: on a busy machine the sweep takes longer, it does not fail. (`capsys`
-    is function-scoped, so the output is captured here.)
+    No time limit but the hang guard's: on a busy machine the sweep takes longer, it does not fail.
     """
-    out = tmp_path_factory.mktemp("quick")
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        status = main(["tfmem compare", "--quick", "--timeout_seconds", "none", "--output_dir", str(out)])
-    return status, stdout.getvalue(), stderr.getvalue(), out
+    out = Path(tempfile.mkdtemp(prefix="tfmem-compare-quick-"))
+    proc = background.run_command([sys.executable, "-m", "gpflow_integration.compare", "--quick",
+                                   "--timeout_seconds", "none", "--output_dir", str(out)], cwd=str(REPO))
+    return proc.returncode, proc.stdout, proc.stderr, out
+
+
+@pytest.fixture(scope="module")
+def quick_run() -> tuple[int, str, str, Path]:
+    return background.result("compare_quick")
 
 
 def _trials(document: dict[str, Any]) -> dict[tuple[int, str], dict[str, Any]]:
     return {(t["num_inducing"], t["method"]): t for t in document["trials"]}
 
 
+@pytest.mark.background("compare_quick")
 def test_quick_headline_tfmem_fits_where_stock_xla_runs_out_of_memory(quick_run) -> None:
     status, out, _, directory = quick_run
     assert status == 0, out
@@ -55,6 +60,7 @@ def test_quick_headline_tfmem_fits_where_stock_xla_runs_out_of_memory(quick_run)
     assert document["oom_points"]["tfmem"]["largest_ok"] > document["oom_points"]["tf_function_jit"]["largest_ok"]
 
 
+@pytest.mark.background("compare_quick")
 def test_quick_smallest_m_fits_everywhere_with_the_same_fit(quick_run) -> None:
     _, _, _, directory = quick_run
     document = json.loads((directory / "compare.json").read_text())
@@ -67,6 +73,7 @@ def test_quick_smallest_m_fits_everywhere_with_the_same_fit(quick_run) -> None:
     assert max(rmses) - min(rmses) < 1e-6 * max(rmses)
 
 
+@pytest.mark.background("compare_quick")
 def test_quick_output_says_where_it_wrote_and_what_ran(quick_run) -> None:
     _, out, err, directory = quick_run
     assert out.count(render(json.loads((directory / "compare.json").read_text()))) == 1

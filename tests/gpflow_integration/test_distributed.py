@@ -16,6 +16,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 import tfmem
+from tests import background
 from gpflow_integration import (DataParallelSGPR, DataParallelSVGP, collapsed_elbo, sgpr_statistics,
                                 shard_rows)
 from tfmem.distribute import split_cpu
@@ -205,13 +206,20 @@ SCENARIOS: dict[str, Callable[[tf.distribute.Strategy], dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_cpus() -> dict[str, Any]:
+@background.job("two_cpus")
+def two_cpu_run() -> dict[str, Any]:
+    """Every scenario in one process whose CPU is split in two (beside the other tests)."""
     result = tfmem.run_isolated("tests.gpflow_integration.test_distributed:two_cpu_scenarios", timeout=1800)
     assert result.ok, result.error
     return result.value
 
 
+@pytest.fixture(scope="module")
+def two_cpus() -> dict[str, Any]:
+    return background.result("two_cpus")
+
+
+@pytest.mark.background("two_cpus")
 def test_sgpr_elbo_and_gradients_equal_single_device_gpflow(two_cpus: dict[str, Any]) -> None:
     outcome = scenario_outcome(two_cpus, "sgpr")
     assert outcome["shards"] == [500, 501]
@@ -226,6 +234,7 @@ def test_sgpr_elbo_and_gradients_equal_single_device_gpflow(two_cpus: dict[str, 
         assert report["budget"] == tfmem.Config(**SGPR_CONFIG).memory_budget
 
 
+@pytest.mark.background("two_cpus")
 def test_sgpr_adam_steps_equal_single_device_gpflow(two_cpus: dict[str, Any]) -> None:
     outcome = scenario_outcome(two_cpus, "sgpr")
     assert outcome["moved"] > 1e-3  # training changed the loss
@@ -233,6 +242,7 @@ def test_sgpr_adam_steps_equal_single_device_gpflow(two_cpus: dict[str, Any]) ->
     assert max(outcome["adam_parameters"]) <= 1e-8
 
 
+@pytest.mark.background("two_cpus")
 def test_svgp_20_adam_steps_equal_single_device_gpflow(two_cpus: dict[str, Any]) -> None:
     outcome = scenario_outcome(two_cpus, "svgp_adam")
     assert outcome["moved"] > 1e-3
@@ -244,6 +254,7 @@ def test_svgp_20_adam_steps_equal_single_device_gpflow(two_cpus: dict[str, Any])
     assert outcome["rewrites"] == 1
 
 
+@pytest.mark.background("two_cpus")
 def test_model_outside_strategy_scope_is_refused(two_cpus: dict[str, Any]) -> None:
     message = scenario_outcome(two_cpus, "unmirrored_model")["message"]
     assert message is not None and "strategy.scope()" in message
