@@ -112,7 +112,7 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
     columns = tf.range(n)
 
     def left_of(panel: tf.Tensor, start: tf.Tensor | int) -> tf.Tensor:
-        return tf.where(columns < start, panel, tf.zeros_like(panel))
+        return tf.where(columns < start, panel, tf.constant(0, panel.dtype))  # a scalar: no [b, n] constant
 
     def with_columns(panel: tf.Tensor, start: tf.Tensor | int, value: tf.Tensor) -> tf.Tensor:
         """`panel` [.., h, n] with columns [start, start+w) set to `value` [.., h, w]."""
@@ -129,38 +129,38 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
         d = panels.block(factor, start, start, size, size)
         r = left_of(panels.rows(factor, start, size), start)  # R, zero-padded to n columns
 
-        def below(i: tf.Tensor, a: tf.Tensor, cbar_c: tf.Tensor, cbar_b: tf.Tensor):
+        def below(i: tf.Tensor, a: tf.Tensor, cbar_c: tf.Tensor):
             row = start + size + i * block
             panel = panels.rows(a, row, block)
             # C̄ ← C̄ D⁻¹ (solving X D = C̄), then B̄ ← B̄ − C̄ R, with C̄ kept in J's columns.
             cbar = _tr(tf.linalg.triangular_solve(d, _tr(panels.block(panel, 0, start, block, size)),
                                                   lower=True, adjoint=True))
-            panel = with_columns(panel - tf.linalg.matmul(cbar, r), start, cbar)
+            a = panels.put(a, row, with_columns(panel - tf.linalg.matmul(cbar, r), start, cbar))
+            # R̄ ← R̄ − C̄ᵀ B, a block of rows at a time (no [b, n] accumulator: XLA's compile
+            # would hold its zeros as a constant); D̄'s share, C̄ᵀ C, is summed.
+            cbar_b = tf.linalg.matmul(cbar, left_of(panels.rows(factor, row, block), start), adjoint_a=True)
+            a = panels.put(a, start, panels.rows(a, start, size) - cbar_b)
             cbar_c += tf.linalg.matmul(cbar, panels.block(factor, row, start, block, size), adjoint_a=True)
-            cbar_b += tf.linalg.matmul(cbar, left_of(panels.rows(factor, row, block), start), adjoint_a=True)
-            return i + 1, panels.put(a, row, panel), cbar_c, cbar_b
+            return i + 1, a, cbar_c
 
-        batch = panels.batch
         trips = (n - start - size) // block
-        _, a, cbar_c, cbar_b = tf.while_loop(
-            lambda i, *_: i < trips, below,
-            (tf.constant(0), a, tf.zeros([*batch, size, size], a.dtype), tf.zeros([*batch, size, n], a.dtype)))
+        _, a, cbar_c = tf.while_loop(lambda i, *_: i < trips, below,
+                                     (tf.constant(0), a, tf.zeros([*panels.batch, size, size], a.dtype)))
         panel = panels.rows(a, start, size)
         dbar = tf.linalg.band_part(panels.block(panel, 0, start, size, size) - cbar_c, -1, 0)
         dbar = _diagonal_block_gradient(d, dbar)
-        panel = left_of(panel - cbar_b - tf.linalg.matmul(dbar + _tr(dbar), r), start)
+        panel = left_of(panel - tf.linalg.matmul(dbar + _tr(dbar), r), start)
         return panels.put(a, start, with_columns(panel, start, dbar))
 
     def symmetrised_rows(a: tf.Tensor, start: tf.Tensor | int, size: int) -> tf.Tensor:
         """Rows [start, start+size) of sym(A): ½A left of the diagonal block, ½ of the
         column below it on the right (rows below are not yet rewritten)."""
         panel = panels.rows(a, start, size)
-        column = _tr(tf.slice(a, [*[0] * len(batch), 0, start], [*[-1] * len(batch), n, size]))
+        column = _tr(tf.slice(a, [*[0] * len(panels.batch), 0, start], [*[-1] * len(panels.batch), n, size]))
         diagonal = panels.block(panel, 0, start, size, size)
         mirrored = tf.where(columns < start, 0.5 * panel, 0.5 * column)
         return panels.put(a, start, with_columns(mirrored, start, 0.5 * (diagonal + _tr(diagonal))))
 
-    batch = panels.batch
     a = tf.linalg.band_part(grad, -1, 0)
     _, a = tf.while_loop(lambda j, _: j < full_blocks,
                          lambda j, a: (j + 1, reverse_step(a, remainder + (full_blocks - 1 - j) * block, block)),
