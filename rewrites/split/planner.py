@@ -32,7 +32,7 @@ from tensorflow.core.framework import node_def_pb2
 from tfmem.budget import PlanVerdict
 from tfmem.config import format_size
 from tfmem.errors import first_line
-from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.graph import Graph, GraphError, TensorRef, node_inputs
 from tfmem.memory import WHILE_LOOP_OPS, MemoryEstimate, estimate_memory, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_SHRINK_RULE
@@ -603,7 +603,8 @@ class Planner:
         graph = self.graph
         self._retract(loop)
         region = _without_pruned(loop.region, graph)
-        chunk, replaced = self._loop_in_place(region, chunk, _max_write_out(graph, loop), loop.scope)
+        chunk, replaced = self._loop_in_place(_as_read_now(region, loop.saved, graph), chunk,
+                                              _max_write_out(graph, loop), loop.scope)
         new = dataclasses.replace(loop, region=region, chunk=chunk, replaced=tuple(replaced.items()))
         self.loops[self.loops.index(loop)] = new
         self.records[loop.record] = self._split_record(new)
@@ -723,6 +724,28 @@ def _without_pruned(region: SliceRegion, graph: Graph) -> SliceRegion:
         axes={ref: axis for ref, axis in region.axes.items() if ref.node not in gone},
         boundaries={ref: why for ref, why in region.boundaries.items() if ref.node not in gone},
         whole_reads={(n, p) for n, p in region.whole_reads if n not in gone})
+
+
+def _as_read_now(region: SliceRegion, saved: Sequence[node_def_pb2.NodeDef], graph: Graph) -> SliceRegion:
+    """`region`, its split axes keyed by the tensors its nodes read now.
+
+    A region and its saved nodes name the tensors they read when the loop was first
+    emitted. A loop emitted after it may since have taken one of them over (written it
+    out whole, or summed it): put back, the region's nodes read that loop's output
+    instead (`Planner._retract`), and the axes must name it too, or the loop emitted
+    again would feed it whole where it sliced the original (a [n, 1] row maximum beside
+    a [c, n] chunk of the scores: "Dimensions must be equal"). The loop keeps `region`
+    as it was: its saved nodes, which `_retract` resolves anew each time, name the same
+    tensors.
+    """
+    read_then = {node.name: node_inputs(node) for node in saved}
+    renamed = {now: region.axes[then] for name in region.nodes
+               for then, now in zip(read_then.get(name, ()), graph.inputs(name))
+               if then != now and then in region.axes}
+    if not renamed:
+        return region
+    axes = {ref: axis for ref, axis in region.axes.items() if ref.node in graph}
+    return dataclasses.replace(region, axes={**axes, **renamed})
 
 
 def _max_write_out(graph: Graph, loop: Loop) -> int:
