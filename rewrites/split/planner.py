@@ -41,7 +41,7 @@ from rewrites.split.accumulators import collect_outer_products, outer_product_ac
 from rewrites.split.diagonals import lower_diagonals
 from rewrites.split.loops import SPLIT_SCOPE, emit_loop, even_chunk, written_out
 from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
-from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
+from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, evaluated_once, grow_region, mixed_in_loop
 from rewrites.split.sink import invariant_slots, loop_invariant, read_through_loops, sink_invariant
 
 RULE = "SplitOversizedRegions"
@@ -615,6 +615,11 @@ class Planner:
         """Emits `region`'s loop and rewires its readers to it; the chunk length it took
         (one that divides the length, when it writes out: `even_chunk`) and what it replaced."""
         graph = self.graph
+        mixed = mixed_in_loop(graph, region, max_write_out, assemble_returned=self.assemble_returned)
+        if mixed:  # `best_region` keeps such nodes out; a loop emitted again must not bring them back
+            name, comparison = min(mixed.items())
+            raise GraphError(f"loop {scope} would make {name} beside its original, and {comparison} would "
+                             "compare values made from each")
         if written_out(graph, region, max_write_out, assemble_returned=self.assemble_returned):
             chunk = even_chunk(region.size, chunk)
         replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out,
@@ -788,13 +793,15 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int, 
         if seed.node not in region.nodes or seed not in region.axes:
             reasons.append(f"axis {axis}: the seed could not stay in its region")
             continue
+        region = evaluated_once(graph, region, threshold, assemble_returned=assemble_returned)
+        if isinstance(region, str):
+            reasons.append(f"axis {axis}: {region}")
+            continue
         if region.per_unit_bytes(graph) > split_size:
             reasons.append(f"axis {axis}: a single slice is {region.per_unit_bytes(graph)} bytes, over the "
                            f"split size {split_size} (splitting two axes at once is not supported)")
             continue
-        # What the program returns is held whole anyway: the loop may assemble it.
-        oversized_out = [r for r in region.write_outs(graph)
-                         if (graph.nbytes(r) or 0) > threshold and not (assemble_returned and graph.is_returned(r))]
+        oversized_out = region.left_whole(graph, threshold, assemble_returned=assemble_returned)
         if seed in oversized_out:
             why = region.boundaries.get(seed, "a reader needs it whole")
             reasons.append(f"axis {axis}: {why}")
