@@ -136,6 +136,12 @@ def function_tensor_node(text: str) -> str:
     return text.split(":")[0]
 
 
+def node_inputs(node: node_def_pb2.NodeDef) -> list[TensorRef]:
+    """The data inputs of a NodeDef outside any Graph (a copy kept to restore later), in
+    order: what it read when it was copied, to compare with what its namesake reads now."""
+    return _split_inputs(node)[0]
+
+
 def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:
     data: list[TensorRef] = []
     control: list[str] = []

@@ -247,8 +247,8 @@ def written_out(graph: Graph, region: SliceRegion, max_write_out: int, *,
     """The split tensors a loop of `region` assembles whole for readers outside it: those
     of at most `max_write_out` bytes, and (with `assemble_returned`) what the program
     returns, which is held whole anyway."""
-    return [ref for ref in region.write_outs(graph)
-            if (graph.nbytes(ref) or 0) <= max_write_out or assemble_returned and graph.is_returned(ref)]
+    whole = set(region.left_whole(graph, max_write_out, assemble_returned=assemble_returned))
+    return [ref for ref in region.write_outs(graph) if ref not in whole]
 
 
 def even_chunk(size: int, chunk: int) -> int:

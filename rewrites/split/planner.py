@@ -32,7 +32,7 @@ from tensorflow.core.framework import node_def_pb2
 from tfmem.budget import PlanVerdict
 from tfmem.config import format_size
 from tfmem.errors import first_line
-from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.graph import Graph, GraphError, TensorRef, node_inputs
 from tfmem.memory import WHILE_LOOP_OPS, MemoryEstimate, estimate_memory, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_SHRINK_RULE
@@ -41,7 +41,7 @@ from rewrites.split.accumulators import collect_outer_products, outer_product_ac
 from rewrites.split.diagonals import lower_diagonals
 from rewrites.split.loops import SPLIT_SCOPE, emit_loop, even_chunk, written_out
 from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
-from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, grow_region
+from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, evaluated_once, grow_region, mixed_in_loop
 from rewrites.split.sink import invariant_slots, loop_invariant, read_through_loops, sink_invariant
 
 RULE = "SplitOversizedRegions"
@@ -603,7 +603,8 @@ class Planner:
         graph = self.graph
         self._retract(loop)
         region = _without_pruned(loop.region, graph)
-        chunk, replaced = self._loop_in_place(region, chunk, _max_write_out(graph, loop), loop.scope)
+        chunk, replaced = self._loop_in_place(_as_read_now(region, loop.saved, graph), chunk,
+                                              _max_write_out(graph, loop), loop.scope)
         new = dataclasses.replace(loop, region=region, chunk=chunk, replaced=tuple(replaced.items()))
         self.loops[self.loops.index(loop)] = new
         self.records[loop.record] = self._split_record(new)
@@ -614,6 +615,11 @@ class Planner:
         """Emits `region`'s loop and rewires its readers to it; the chunk length it took
         (one that divides the length, when it writes out: `even_chunk`) and what it replaced."""
         graph = self.graph
+        mixed = mixed_in_loop(graph, region, max_write_out, assemble_returned=self.assemble_returned)
+        if mixed:  # `best_region` keeps such nodes out; a loop emitted again must not bring them back
+            name, comparison = min(mixed.items())
+            raise GraphError(f"loop {scope} would make {name} beside its original, and {comparison} would "
+                             "compare values made from each")
         if written_out(graph, region, max_write_out, assemble_returned=self.assemble_returned):
             chunk = even_chunk(region.size, chunk)
         replaced = emit_loop(graph, region, chunk, max_write_out=max_write_out,
@@ -725,6 +731,28 @@ def _without_pruned(region: SliceRegion, graph: Graph) -> SliceRegion:
         whole_reads={(n, p) for n, p in region.whole_reads if n not in gone})
 
 
+def _as_read_now(region: SliceRegion, saved: Sequence[node_def_pb2.NodeDef], graph: Graph) -> SliceRegion:
+    """`region`, its split axes keyed by the tensors its nodes read now.
+
+    A region and its saved nodes name the tensors they read when the loop was first
+    emitted. A loop emitted after it may since have taken one of them over (written it
+    out whole, or summed it): put back, the region's nodes read that loop's output
+    instead (`Planner._retract`), and the axes must name it too, or the loop emitted
+    again would feed it whole where it sliced the original (a [n, 1] row maximum beside
+    a [c, n] chunk of the scores: "Dimensions must be equal"). The loop keeps `region`
+    as it was: its saved nodes, which `_retract` resolves anew each time, name the same
+    tensors.
+    """
+    read_then = {node.name: node_inputs(node) for node in saved}
+    renamed = {now: region.axes[then] for name in region.nodes
+               for then, now in zip(read_then.get(name, ()), graph.inputs(name))
+               if then != now and then in region.axes}
+    if not renamed:
+        return region
+    axes = {ref: axis for ref, axis in region.axes.items() if ref.node in graph}
+    return dataclasses.replace(region, axes={**axes, **renamed})
+
+
 def _max_write_out(graph: Graph, loop: Loop) -> int:
     """The write-out limit the loop was emitted with: the tensors it wrote out were within it."""
     written = [old for old, _ in loop.replaced if old.node not in loop.region.sinks]
@@ -765,13 +793,15 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int, 
         if seed.node not in region.nodes or seed not in region.axes:
             reasons.append(f"axis {axis}: the seed could not stay in its region")
             continue
+        region = evaluated_once(graph, region, threshold, assemble_returned=assemble_returned)
+        if isinstance(region, str):
+            reasons.append(f"axis {axis}: {region}")
+            continue
         if region.per_unit_bytes(graph) > split_size:
             reasons.append(f"axis {axis}: a single slice is {region.per_unit_bytes(graph)} bytes, over the "
                            f"split size {split_size} (splitting two axes at once is not supported)")
             continue
-        # What the program returns is held whole anyway: the loop may assemble it.
-        oversized_out = [r for r in region.write_outs(graph)
-                         if (graph.nbytes(r) or 0) > threshold and not (assemble_returned and graph.is_returned(r))]
+        oversized_out = region.left_whole(graph, threshold, assemble_returned=assemble_returned)
         if seed in oversized_out:
             why = region.boundaries.get(seed, "a reader needs it whole")
             reasons.append(f"axis {axis}: {why}")

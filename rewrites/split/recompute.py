@@ -47,6 +47,7 @@ from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_PEAK_RULE
 
+from rewrites.split.compared import check_one_evaluation
 from rewrites.split.cone import Cone, grow_cone
 from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
 from rewrites.split.order import can_order, computed_after, made_from_inputs
@@ -215,7 +216,10 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     copied = TensorRef(renamed[cone.tensor.node], cone.tensor.index)
     for reader, slot in readers:
         graph.set_input(reader, slot, copied)
+    check_one_evaluation(graph, cone.nodes, {TensorRef(renamed[name], i): (name,) for name in cone.nodes
+                                        for i in range(len(graph.output_specs(name)))})
     return copied
+
 
 
 def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,

@@ -16,9 +16,11 @@ after its inputs and before its readers; nodes that would break this are dropped
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from tfmem.graph import Graph, TensorRef
 
+from rewrites.split.compared import mixed_comparisons
 from rewrites.split.op_rules import DimClass, NoRule, class_of, dim_classes
 
 # Graph inputs: a region slices them, never recomputes them, and they are never split.
@@ -87,6 +89,25 @@ class SliceRegion:
                 if graph.is_output(ref) or readers - members:
                     result.append(ref)
         return result
+
+    def left_whole(self, graph: Graph, max_write_out: int, *, assemble_returned: bool = True) -> list[TensorRef]:
+        """Write-outs a loop leaves to their original ops (`rewrites.split.loops.emit_loop`):
+        those over `max_write_out` bytes, but (with `assemble_returned`) what the program
+        returns, which is held whole anyway and so assembled from the chunks."""
+        return [ref for ref in self.write_outs(graph) if (graph.nbytes(ref) or 0) > max_write_out
+                and not (assemble_returned and graph.is_returned(ref))]
+
+    def without(self, graph: Graph, names: Collection[str], why: str) -> SliceRegion:
+        """The region without `names`, which its other nodes must not feed: what they make
+        is read from outside instead, sliced along its axis; `why` says why they left."""
+        drop = set(names)
+        region = dataclasses.replace(
+            self, nodes=[n for n in self.nodes if n not in drop],
+            sinks={n: c for n, c in self.sinks.items() if n not in drop},
+            boundaries={**self.boundaries, **{TensorRef(n, i): why for n in self.nodes if n in drop
+                                              for i in range(len(graph.output_specs(n)))}})
+        _trim(graph, region)
+        return region
 
     def per_unit_bytes(self, graph: Graph) -> int:
         """Bytes of the largest split tensor per unit of the split dimension."""
@@ -217,11 +238,60 @@ def _make_convex(graph: Graph, region: SliceRegion) -> None:
                         else f"{name} depends on the region through outside nodes")
         region.nodes = [n for n in region.nodes if n not in drop]
         region.sinks = {n: c for n, c in region.sinks.items() if n not in drop}
+    _trim(graph, region)
+
+
+def _trim(graph: Graph, region: SliceRegion) -> None:
+    """Keeps the axes and whole reads of what the region's nodes still make or read."""
     members = set(region.nodes)
     used = {ref for name in region.nodes for ref in graph.inputs(name)}
     region.axes = {ref: axis for ref, axis in region.axes.items()
                    if ref.node in members and ref.node not in region.sinks or ref in used}
     region.whole_reads = {(name, position) for name, position in region.whole_reads if name in members}
+
+
+def mixed_in_loop(graph: Graph, region: SliceRegion, max_write_out: int, *,
+                  assemble_returned: bool = True) -> dict[str, str]:
+    """Region nodes a loop of `region` would make beside their originals, which a comparison
+    would then see one of on each side (`compared.mixed_comparisons`): node → comparison.
+
+    The originals that stay are those of the tensors the loop leaves whole, and of the
+    region nodes they are made from; readers of what the loop writes out or sums read its
+    evaluation. A comparison inside the loop reads both operands from its chunk.
+    """
+    members = set(region.nodes)
+    whole = region.left_whole(graph, max_write_out, assemble_returned=assemble_returned)
+    kept = graph.ancestors(*{ref.node for ref in whole}) & members if whole else set()
+    if not kept:
+        return {}
+    replaced = [ref for ref in region.write_outs(graph) if ref not in whole] + [
+        TensorRef(sink, i) for sink in region.sinks for i in range(len(graph.output_specs(sink)))]
+    copies = {ref: graph.ancestors(ref.node) & kept for ref in replaced}
+    return mixed_comparisons(graph, copies, kept, skip=members - kept)
+
+
+def evaluated_once(graph: Graph, region: SliceRegion, max_write_out: int, *,
+                   assemble_returned: bool = True) -> SliceRegion | str:
+    """`region` without what its loop would make beside an original a comparison also reads
+    (`mixed_in_loop`): those nodes, and the region nodes they are made from, stay outside and
+    the loop reads them sliced, so that every comparison sees one evaluation; or why the
+    region cannot do without them (its seed is among them).
+
+    (A loss with `max(s)`: the loop that sums `s²` in row chunks must not make `s` again
+    where `Equal(s, max(s))` reads the whole one and `max(s)` the loop's.)
+    """
+    while True:
+        mixed = mixed_in_loop(graph, region, max_write_out, assemble_returned=assemble_returned)
+        if not mixed:
+            return region
+        name, comparison = min(mixed.items())
+        why = (f"{comparison} ({graph.node(comparison).op}) would compare what the loop makes from {name} with "
+               f"what the whole {name}, kept for readers outside the loop, makes: the two are equal only to "
+               "rounding, and a comparison must see one evaluation")
+        drop = graph.ancestors(*mixed) & set(region.nodes)
+        if region.seed.node in drop:
+            return f"{name} would be made both in the loop and whole: {why}"
+        region = region.without(graph, drop, why)
 
 
 def grow_region(graph: Graph, seed: TensorRef, axis: int, large: int) -> SliceRegion | str:

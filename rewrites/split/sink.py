@@ -37,6 +37,7 @@ from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
 from tfmem.memory import WHILE_LOOP_OPS, loop_function_graph, while_passthrough
 from tfmem.passes import RewriteRecord
 
+from rewrites.split.compared import check_one_evaluation
 from rewrites.split.cone import grow_cone
 from rewrites.split.rebuild import Extras, rebuild_while
 
@@ -173,6 +174,8 @@ def sink_invariant(graph: Graph, invariant: LoopInvariant,
         graph.replace_all_uses(TensorRef(invariant.loop, slot), new)
     graph.replace_all_uses(TensorRef(invariant.loop, invariant.slot), loop_inputs[invariant.slot])
     graph.prune()
+    # What the rebuilt loop returns is made from its own evaluation of the cone.
+    check_one_evaluation(graph, invariant.cone, {ref: invariant.cone for ref in new_refs})
     if invariant.loop in graph:
         raise GraphError(f"loop {invariant.loop} is still read after it was rebuilt")
     return records

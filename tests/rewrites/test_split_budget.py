@@ -459,3 +459,33 @@ def test_a_loop_shrunk_past_what_its_peak_needs_takes_back_the_larger_chunks(rng
     assert at_one is not None and shrunk.peak_bytes <= at_one.peak_bytes  # the same peak as chunks of 1
     [got] = run_graph(graph, concrete, inputs)
     np.testing.assert_allclose(got, two_phases(*inputs).numpy(), rtol=1e-10)
+
+
+def attention_with_dropout_mask(q, k, v):
+    """A dropout mask drawn for the [n, n] probabilities (no split rule for the draw): a loop
+    emitted after the one that reads the mask makes it."""
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        s = tf.matmul(q, k, transpose_b=True)
+        p = tf.nn.softmax(s)
+        keep = tf.cast(tf.random.stateless_uniform(tf.shape(p), seed=[1, 2], dtype=p.dtype) > 0.1, p.dtype)
+        loss = tf.reduce_sum(((p * keep / 0.9) @ v) ** 2) + 1e-3 * tf.reduce_sum(s ** 2)
+    return (loss, *tape.gradient(loss, [q, k, v]))
+
+
+def test_a_loop_emitted_again_slices_what_a_later_loop_makes_now(rng) -> None:
+    # A loop re-chunked after a later loop took over a tensor its region reads (here the
+    # mask, which the later loop makes) reads that loop's output instead: sliced along the
+    # split axis as the original was, not whole ("Dimensions must be equal", a fallback).
+    program, matrices, n = attention_with_dropout_mask, 3, 400
+    q, k, v = (tf.constant(rng.normal(size=(n, 16)) * 0.3) for _ in range(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = tfmem.function(program, config={"memory_budget": matrices * n * n * 8})
+        got = wrapped(q, k, v)
+        report = wrapped.report(q, k, v)
+    assert not [w for w in caught if issubclass(w.category, tfmem.TfmemWarning)], [str(w.message) for w in caught]
+    assert report.status == "rewritten" and len(report.splits) >= 2, str(report)
+    want = tf.function(program, jit_compile=True)(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=1e-9 * np.max(np.abs(w.numpy())))

@@ -22,9 +22,11 @@ which rebuilds the failing function exactly (see `Program.build`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -165,3 +167,105 @@ def test_split_gradients_from_outer_tape_equal_unsplit(program: Program) -> None
             out = function(x, y, v)
         results.append((out, tape.gradient(out, [x, y])))
     _assert_close(*results)
+
+
+# --- A tensor compared with a value made from it: one evaluation for both sides ----------
+#
+# The gradient of `max(s)` is `Equal(s, max(s)) / count`. When a split made `s` in one loop
+# (for the max) and again in another (for the mask), in other chunks, the two agreed only
+# to rounding: the mask found no maximum (the gradient was lost) or count was 0 (0/0, NaN).
+# Such a tensor is made once: a loop reads it sliced, or the split is refused with a reason.
+
+ONE_EVALUATION = "a comparison must see one evaluation"
+
+
+def max_in_loss(q: tf.Tensor, k: tf.Tensor) -> tuple[tf.Tensor, ...]:
+    """A hand-written softmax with its row maximum differentiated, plus `max(s)`."""
+    with tf.GradientTape() as tape:
+        tape.watch([q, k])
+        s = q @ tf.transpose(k) / 4.0
+        e = tf.exp(s - tf.reduce_max(s, axis=1, keepdims=True))
+        p = e / tf.reduce_sum(e, 1, keepdims=True)
+        loss = tf.reduce_sum(p * s) + tf.reduce_max(s)
+    return (loss, *tape.gradient(loss, [q, k]))
+
+
+def attention_and_max(q: tf.Tensor, k: tf.Tensor) -> tuple[tf.Tensor, ...]:
+    """Scores read by softmax, log-softmax, Σs² and `max(s)` (`three_reads_f32_wrong_grad`)."""
+    with tf.GradientTape() as tape:
+        tape.watch([q, k])
+        s = tf.matmul(q, k, transpose_b=True) / 8.0
+        p = tf.nn.softmax(s)
+        loss = (tf.reduce_sum((p @ q) ** 2) - 0.1 * tf.reduce_sum(p * tf.nn.log_softmax(s))
+                + 1e-3 * tf.reduce_sum(s ** 2) + tf.reduce_max(s))
+    return (loss, *tape.gradient(loss, [q, k]))
+
+
+def max_of_row_max(q: tf.Tensor, k: tf.Tensor) -> tuple[tf.Tensor, ...]:
+    """`max_i max_j s_ij` beside softmax and Σs² (`rowmax_then_max_passerror`)."""
+    with tf.GradientTape() as tape:
+        tape.watch([q, k])
+        s = tf.matmul(q, k, transpose_b=True)
+        loss = (tf.reduce_sum((tf.nn.softmax(s) @ q) ** 2) + 1e-3 * tf.reduce_sum(s ** 2)
+                + tf.reduce_max(tf.reduce_max(s, 1)))
+    return (loss, *tape.gradient(loss, [q, k]))
+
+
+MAX_IN_LOSS = {"max_in_loss": max_in_loss, "attention_and_max": attention_and_max, "max_of_row_max": max_of_row_max}
+
+
+def _run_under_budget(fn: Callable[..., tuple[tf.Tensor, ...]], args: tuple[tf.Tensor, ...],
+                      budget: int) -> tuple[tuple[tf.Tensor, ...], tfmem.Report]:
+    """tfmem's results and report; no fallback (a warning that the budget is missed is honest)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=budget))
+        got = wrapped(*args)
+        report = wrapped.report(*args)
+    assert report.status != "fallback", str(report)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)
+                 and "unchanged" in str(w.message)]
+    assert not fallbacks, fallbacks
+    return got, report
+
+
+def _planned(fn: Callable[..., object], args: tuple[tf.Tensor, ...], budget: int) -> tuple:
+    """The records of the static plan for `budget` (before XLA's plans are compared)."""
+    return tfmem.TfmemFunction(fn).trace(*args).rewrite(tfmem.Config(memory_budget=budget)).records
+
+
+def _assert_equal_to_xla(got: object, fn: Callable[..., object], args: tuple[tf.Tensor, ...], rtol: float) -> None:
+    """Finite, and within `rtol` of the largest entry of stock XLA's result, output by output."""
+    want = tf.function(fn, jit_compile=True)(*args)
+    for name, g, w in zip(("loss", "dq", "dk"), tf.nest.flatten(got), tf.nest.flatten(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.all(np.isfinite(g)), f"{name}: {np.count_nonzero(~np.isfinite(g))} entries not finite"
+        error = float(np.max(np.abs(g - w))) / max(float(np.max(np.abs(w))), 1e-30)
+        assert error <= rtol, f"{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("name", ["attention_and_max", "max_in_loss"])
+def test_a_tensor_compared_with_its_maximum_is_made_once(name: str, rng: np.random.Generator) -> None:
+    n = 400
+    q, k = (tf.constant(rng.normal(size=(n, 16)) * 0.5) for _ in range(2))
+    got, report = _run_under_budget(MAX_IN_LOSS[name], (q, k), 2 * n * n * 8)
+    _assert_equal_to_xla(got, MAX_IN_LOSS[name], (q, k), 1e-9)
+    # The scores are not made in a loop beside the whole ones the mask reads: the plan says
+    # so (asked of the rewrite itself: when XLA plans less for the program as written, the
+    # report is that program's).
+    refused = [r for r in _planned(MAX_IN_LOSS[name], (q, k), 2 * n * n * 8)
+               if r.status == "rejected" and ONE_EVALUATION in (r.reason or "")]
+    assert refused, str(report)
+    assert any("Equal" in r.reason and "would be made both in the loop and whole" in r.reason for r in refused)
+
+
+@settings(deadline=None, max_examples=8, derandomize=True, database=None)
+@given(name=st.sampled_from(sorted(MAX_IN_LOSS)), n=st.integers(200, 500), matrices=st.sampled_from([2, 3, 5]),
+       float32=st.booleans(), seed=st.integers(0, 2**16))
+def test_max_in_loss_gradients_equal_xla_under_any_budget(name: str, n: int, matrices: int, float32: bool,
+                                                         seed: int) -> None:
+    dtype = tf.float32 if float32 else tf.float64
+    rng = np.random.default_rng(seed)
+    q, k = (tf.constant(rng.normal(size=(n, 16)) * 0.5, dtype) for _ in range(2))
+    got, _ = _run_under_budget(MAX_IN_LOSS[name], (q, k), matrices * n * n * dtype.size)
+    _assert_equal_to_xla(got, MAX_IN_LOSS[name], (q, k), 1e-4 if float32 else 1e-9)
