@@ -217,9 +217,8 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     for reader, slot in readers:
         graph.set_input(reader, slot, copied)
     check_one_evaluation(graph, cone.nodes, {TensorRef(renamed[name], i): (name,) for name in cone.nodes
-                                        for i in range(len(graph.output_specs(name)))})
+                                             for i in range(len(graph.output_specs(name)))})
     return copied
-
 
 
 def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,
