@@ -291,6 +291,35 @@ class _ChangeConstants(GraphPass):
         return PassResult(graph, bool(changed), [RewriteRecord(self.name, "change", "fired", tuple(changed))])
 
 
+class _TripleInLoopBodies(GraphPass):
+    """Edits library functions in place, keeping their names: every 2.0 in them becomes 3.0."""
+
+    name, stage = "triple_in_loop_bodies", "cleanup"
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        changed = []
+        for function in graph.library.function:
+            for node in function.node_def:
+                if node.op == "Const" and node.attr["value"].tensor.dtype == tf.float64.as_datatype_enum \
+                        and np.all(tf.make_ndarray(node.attr["value"].tensor) == 2.0):
+                    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.float64(3.0)))
+                    changed.append(f"{function.signature.name}/{node.name}")
+        return PassResult(graph, bool(changed), [RewriteRecord(self.name, "triple", "fired", tuple(changed))])
+
+
+def test_library_functions_run_as_rewritten() -> None:
+    """The imported graph runs its own library functions: before, it ran those registered in
+    TensorFlow's eager context under the same names (the user's trace's), so an edited loop
+    body ran unedited."""
+    def doubling(x):
+        return tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 2.0), (0, x))[1]
+
+    x = tf.ones([2], tf.float64)
+    wrapped = tfmem.TfmemFunction(doubling, passes=[_TripleInLoopBodies()], config=Config(strict=True))
+    np.testing.assert_array_equal(wrapped(x).numpy(), [27.0, 27.0])
+    assert wrapped.report(x).status == "rewritten"
+
+
 def test_failing_pass_falls_back_naming_the_pass() -> None:
     wrapped = tfmem.TfmemFunction(_elementwise, passes=[_BrokenPass()])
     with pytest.warns(tfmem.TfmemWarning, match="broken_pass.*boom"):
@@ -359,3 +388,44 @@ def test_decorator_forms_and_jit_override() -> None:
     assert configured.__name__ == "configured"
     assert tfmem.xla_planned_bytes(configured, tf.constant(1.0)) is None
     assert tfmem.xla_planned_bytes(bare, tf.constant(1.0)) > 0
+
+
+# --- an outer tape through programs whose graphs hold library functions --------------
+
+def _tape_gradient(fn: Callable[..., Any], x: tf.Tensor, *rest: Any) -> tuple[Any, tf.Tensor]:
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = fn(x, *rest)
+        loss = tf.reduce_sum(tf.nest.flatten(out)[0] ** 2)
+    return out, tape.gradient(loss, x)
+
+
+def _tfmem_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
+
+
+def _counted_loop(counter: tf.Variable):
+    def fn(x):
+        counter.assign_add(1.0)  # a side effect: TensorFlow differentiates the compiled function itself
+        _, y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.sin(y) * x), (tf.constant(0), x),
+                             maximum_iterations=3)
+        return tf.reduce_sum(y ** 2)
+    return fn
+
+
+def test_outer_tape_through_a_while_loop_of_a_program_with_effects(rng: np.random.Generator) -> None:
+    """TensorFlow differentiates the imported graph's loop and registers its functions in the
+    eager context: under the names of the traced program, whose own (shapeless) definitions
+    are registered there already, the first call failed ("duplicate function with name:
+    while_cond_…") and fell back; imported under names of their own, they do not collide."""
+    x = tf.constant(rng.normal(size=(4,)))
+    counters = [tf.Variable(0.0), tf.Variable(0.0)]
+    want = _tape_gradient(tf.function(_counted_loop(counters[0])), x)
+    wrapped = tfmem.function(_counted_loop(counters[1]), config=Config(jit_compile=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _tape_gradient(wrapped, x)
+    assert _tfmem_warnings(caught) == []
+    assert wrapped.report(x).status != "fallback"
+    assert_same(got, want)
+    assert float(counters[1]) == float(counters[0]) == 1.0
