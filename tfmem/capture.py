@@ -25,9 +25,11 @@ from tensorflow.python.framework import function as function_lib
 
 from tfmem.graph import Graph, TensorRef, is_stateful, rename_functions
 
-# Stateful ops that only read: recomputing them (e.g. in a backward pass) is harmless.
+# Stateful ops that only read or check: recomputing them (e.g. in a backward pass) is harmless.
+# CheckNumerics and Assert only raise (GPflow's GPR predict_f holds a CheckNumerics): counted as
+# effects, they kept such programs from the custom gradient of an outer tape.
 _READ_ONLY_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "VarIsInitializedOp",
-                                     "Placeholder", "NoOp"})
+                                     "Placeholder", "NoOp", "CheckNumerics", "Assert"})
 
 # Numbers the imports of this process: each import's library functions get names of their own.
 _IMPORTS = itertools.count(1)

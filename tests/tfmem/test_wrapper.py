@@ -392,6 +392,16 @@ def test_decorator_forms_and_jit_override() -> None:
 
 # --- an outer tape through programs whose graphs hold library functions --------------
 
+SPLIT_KERNEL = Config(tensor_size_threshold="64KB", memory_budget="1MB")
+
+
+def _checked_kernel_times(x, v):
+    """An [n, n] kernel matrix tfmem splits into loops; check_numerics is a stateful op
+    (GPflow's GPR predict_f holds one) that only checks, so it is no side effect."""
+    sqdist = tf.reduce_sum((x[:, None, :] - x[None, :, :]) ** 2, -1)  # [n, n]
+    return tf.debugging.check_numerics(tf.exp(-0.5 * sqdist) @ v, "kernel_times")  # [n, k]
+
+
 def _tape_gradient(fn: Callable[..., Any], x: tf.Tensor, *rest: Any) -> tuple[Any, tf.Tensor]:
     with tf.GradientTape() as tape:
         tape.watch(x)
@@ -402,6 +412,23 @@ def _tape_gradient(fn: Callable[..., Any], x: tf.Tensor, *rest: Any) -> tuple[An
 
 def _tfmem_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
+
+
+def test_outer_tape_through_split_loops_of_a_checked_program(rng: np.random.Generator) -> None:
+    """The loops tfmem adds are differentiated by the custom gradient, not by TensorFlow
+    through the compiled function (which XLA cannot do for a loop: its accumulators would
+    cross the XLA boundary); before, check_numerics counted as a side effect and the first
+    call failed ("duplicate function with name: while_cond_…") and fell back."""
+    x, v = tf.constant(rng.normal(size=(200, 3))), tf.constant(rng.normal(size=(200, 2)))
+    want = _tape_gradient(tf.function(_checked_kernel_times, jit_compile=True), x, v)
+    wrapped = tfmem.function(_checked_kernel_times, config=SPLIT_KERNEL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _tape_gradient(wrapped, x, v)
+    assert _tfmem_warnings(caught) == []
+    report = wrapped.report(x, v)
+    assert report.status == "rewritten" and report.splits, report.summary()
+    assert_same(got, want)
 
 
 def _counted_loop(counter: tf.Variable):
@@ -429,3 +456,30 @@ def test_outer_tape_through_a_while_loop_of_a_program_with_effects(rng: np.rando
     assert wrapped.report(x).status != "fallback"
     assert_same(got, want)
     assert float(counters[1]) == float(counters[0]) == 1.0
+
+
+def test_outer_tape_through_gpflow_predict_f_split(rng: np.random.Generator) -> None:
+    """The fuzzer's case: GPflow GPR predict_f (a CheckNumerics inside) split into a loop,
+    differentiated with respect to the test inputs from an outer tape, equals stock XLA
+    without a fallback. (A threshold without a budget splits it without XLA's checks.)"""
+    import gpflow
+
+    n = 150
+    data_x = rng.uniform(-3, 3, size=(n, 2))
+    data_y = np.sin(data_x[:, :1]) * np.cos(data_x[:, 1:]) + 0.1 * rng.normal(size=(n, 1))
+    model = gpflow.models.GPR((data_x, data_y), gpflow.kernels.SquaredExponential(lengthscales=0.5),
+                              noise_variance=0.05)
+
+    def predict(xs):
+        return model.predict_f(xs)
+
+    xs = tf.constant(rng.uniform(-3, 3, size=(200, 2)))
+    want = _tape_gradient(tf.function(predict, jit_compile=True), xs)
+    wrapped = tfmem.function(predict, config=Config(tensor_size_threshold="60kB", memory_budget="off"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _tape_gradient(wrapped, xs)
+    assert _tfmem_warnings(caught) == []
+    assert wrapped.report(xs).splits, wrapped.report(xs).summary()
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12)
