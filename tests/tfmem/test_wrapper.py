@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,10 @@ def assert_same(got: Any, want: Any) -> None:
             np.testing.assert_allclose(g, w, rtol=RTOL.get(w.dtype, 0), atol=1e-12)
         else:
             assert g == w
+
+
+def _tfmem_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
 
 
 def _elementwise(x):
@@ -128,7 +133,8 @@ def test_one_rewrite_per_signature_cached(rng: np.random.Generator) -> None:
     with tfmem.config_scope(Config(passes=["cleanup"], verify=True)):
         wrapped(tf.ones([4]))  # a different config is a different rewrite of the same trace
     assert len(wrapped._signatures) == 3
-    assert len(calls) == 2
+    assert wrapped.original.experimental_get_tracing_count() == 2
+    assert len(calls) == 3  # verify's reference is stock tf.function(jit_compile=True), its own trace
 
 
 def test_variable_reads_and_writes_reach_the_real_variables() -> None:
@@ -334,8 +340,11 @@ def test_op_xla_cannot_compile_falls_back_on_first_call() -> None:
         return tf.numpy_function(lambda a: a * 2, [x], tf.float32) + 1.0
 
     wrapped = tfmem.function(fn, config=NO_PASSES)
-    with pytest.warns(tfmem.TfmemWarning, match="first call"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = wrapped(tf.ones([3]))
+    first, second = _tfmem_warnings(caught)  # the rewrite, then the program as written under XLA
+    assert "first call" in first and "XLA cannot compile it either" in second, (first, second)
     np.testing.assert_allclose(got.numpy(), [3.0, 3.0, 3.0])
     assert wrapped.report(tf.ones([3])).status == "fallback"
     np.testing.assert_allclose(wrapped(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
@@ -343,6 +352,103 @@ def test_op_xla_cannot_compile_falls_back_on_first_call() -> None:
     plain = tfmem.function(fn, config=Config(passes=[], jit_compile=False))
     np.testing.assert_allclose(plain(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
     assert plain.report(tf.ones([3])).status != "fallback"
+
+
+def _random_scaled(x):
+    """Stateless random numbers: XLA on CPU draws other ones than graph mode for the same seed."""
+    return tf.random.stateless_uniform(tf.shape(x), seed=[1, 2], dtype=x.dtype) * x
+
+
+class _ImportFails(GraphPass):
+    """Wrong on purpose: its output node declares a dtype its input does not have, so
+    importing the graph fails on the first call."""
+
+    name, stage = "import_fails", "cleanup"
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        output = graph.node(graph.outputs[0].node)
+        output.attr["T"].type = tf.int32.as_datatype_enum
+        return PassResult(graph, True, [RewriteRecord(self.name, "break", "fired", (output.name,))])
+
+
+@pytest.mark.parametrize("broken, why", [(_BrokenPass, "broken_pass.*boom"), (_ImportFails, "first call")],
+                         ids=["pass_fails", "first_call_fails"])
+def test_fallback_runs_the_program_as_stock_xla_would(broken: type[GraphPass], why: str) -> None:
+    x = tf.ones([64], tf.float64)
+    stock_xla, stock_graph = tf.function(_random_scaled, jit_compile=True)(x), tf.function(_random_scaled)(x)
+    assert np.any(stock_xla.numpy() != stock_graph.numpy())  # else this test shows nothing
+    wrapped = tfmem.TfmemFunction(_random_scaled, passes=[broken()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = wrapped(x)
+    (shown,) = _tfmem_warnings(caught)
+    assert re.search(why, shown) and "unchanged, under XLA (as tf.function(jit_compile=True))" in shown, shown
+    np.testing.assert_array_equal(got.numpy(), stock_xla.numpy())
+    np.testing.assert_array_equal(wrapped(x).numpy(), stock_xla.numpy())
+    report = wrapped.report(x)
+    assert report.status == "fallback" and "runs unchanged, under XLA" in report.summary()
+    assert wrapped.get_concrete_function(x).function_def.attr["_XlaMustCompile"].b
+
+
+def test_fallback_without_xla_when_the_config_says_so() -> None:
+    x = tf.ones([64], tf.float64)
+    wrapped = tfmem.TfmemFunction(_random_scaled, passes=[_BrokenPass()], config=Config(jit_compile=False))
+    with pytest.warns(tfmem.TfmemWarning, match=re.escape("unchanged, without XLA (jit_compile=False)")):
+        got = wrapped(x)
+    np.testing.assert_array_equal(got.numpy(), tf.function(_random_scaled)(x).numpy())
+
+
+def _numpy_doubled(x):
+    return tf.numpy_function(lambda a: a * 2, [x], tf.float32) + 1.0
+
+
+def test_fallback_runs_in_graph_mode_where_xla_cannot_compile_the_program_either() -> None:
+    wrapped = tfmem.TfmemFunction(_numpy_doubled, passes=[_BrokenPass()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = wrapped(tf.ones([3]))
+    np.testing.assert_allclose(got.numpy(), [3.0, 3.0, 3.0])
+    first, second = _tfmem_warnings(caught)
+    assert "broken_pass" in first and "under XLA" in first
+    assert "unchanged in graph mode, without XLA" in second and "XLA cannot compile it either" in second
+    assert "PyFunc" in second, second  # XLA's own words: which op it has no kernel for
+    assert all(w.filename == __file__ for w in caught)  # they point at the user's call
+    assert "runs unchanged in graph mode, without XLA" in wrapped.report(tf.ones([3])).summary()
+    with warnings.catch_warnings(record=True) as caught:  # decided once: no XLA attempt, no warning
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(wrapped(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
+    assert _tfmem_warnings(caught) == []
+    assert not wrapped.get_concrete_function(tf.ones([3])).function_def.attr["_XlaMustCompile"].b
+
+
+def test_fallback_inside_another_function_asks_xla_before_calling_it() -> None:
+    """Inside another function's trace the call is only recorded: an XLA that cannot compile
+    the program would fail when that function runs, past any fallback. XLA is asked first."""
+    wrapped = tfmem.TfmemFunction(_numpy_doubled, passes=[_BrokenPass()])
+
+    @tf.function
+    def outer(x):
+        return wrapped(x) * 2.0
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(outer(tf.ones([3])).numpy(), [6.0, 6.0, 6.0])
+    first, second = _tfmem_warnings(caught)
+    assert "broken_pass" in first and "XLA cannot compile it either" in second, (first, second)
+    inner = tfmem.TfmemFunction(_random_scaled, passes=[_BrokenPass()])
+    x = tf.ones([64], tf.float64)
+    with pytest.warns(tfmem.TfmemWarning, match="under XLA"):
+        got = tf.function(lambda x: inner(x))(x)
+    np.testing.assert_array_equal(got.numpy(), tf.function(_random_scaled, jit_compile=True)(x).numpy())
+
+
+def test_verify_compares_with_the_program_under_xla() -> None:
+    """The reference is the program as stock XLA runs it: against graph mode, XLA's other
+    random numbers failed verification of a rewrite that changed nothing."""
+    x = tf.ones([64], tf.float64)
+    wrapped = tfmem.function(_random_scaled, config=Config(passes=[], verify=True, strict=True))
+    np.testing.assert_array_equal(wrapped(x).numpy(), tf.function(_random_scaled, jit_compile=True)(x).numpy())
+    assert wrapped.report(x).status == "unchanged"
 
 
 def test_verify_catches_a_wrong_rewrite() -> None:
@@ -408,10 +514,6 @@ def _tape_gradient(fn: Callable[..., Any], x: tf.Tensor, *rest: Any) -> tuple[An
         out = fn(x, *rest)
         loss = tf.reduce_sum(tf.nest.flatten(out)[0] ** 2)
     return out, tape.gradient(loss, x)
-
-
-def _tfmem_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
 
 
 def test_outer_tape_through_split_loops_of_a_checked_program(rng: np.random.Generator) -> None:
