@@ -16,16 +16,23 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import function_pb2, graph_pb2
+from tensorflow.python.framework import function as function_lib
 
-from tfmem.graph import Graph, TensorRef, is_stateful
+from tfmem.graph import Graph, TensorRef, is_stateful, rename_functions
 
-# Stateful ops that only read: recomputing them (e.g. in a backward pass) is harmless.
+# Stateful ops that only read or check: recomputing them (e.g. in a backward pass) is harmless.
+# CheckNumerics and Assert only raise (GPflow's GPR predict_f holds a CheckNumerics): counted as
+# effects, they kept such programs from the custom gradient of an outer tape.
 _READ_ONLY_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "VarIsInitializedOp",
-                                     "Placeholder", "NoOp"})
+                                     "Placeholder", "NoOp", "CheckNumerics", "Assert"})
+
+# Numbers the imports of this process: each import's library functions get names of their own.
+_IMPORTS = itertools.count(1)
 
 
 # Cross-device communication ops: a graph holding them is a multi-device program.
@@ -143,6 +150,11 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
     used = {p for p in placeholders if graph.node_consumers(p)} | {o.node for o in graph.outputs}
     # Mapped placeholders must not be imported: XLA has no kernel for Placeholder.
     stripped = graph.to_graph_def(drop=placeholders)
+    # The functions the graph calls (loop bodies, branches) run from the eager context, where
+    # TensorFlow keeps one definition per name, process-wide: see `_register_library`.
+    suffix = f"_tfmem{next(_IMPORTS)}"
+    rename_functions(stripped, {f.signature.name: f.signature.name + suffix for f in stripped.library.function})
+    library = _register_library(stripped.library)
     control_outputs = [c for c in captured.control_outputs if c not in placeholders]
     structure = captured.concrete.structured_outputs
 
@@ -172,5 +184,31 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
         return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
 
     body.__name__ = name
+    body.library = library  # type: ignore[attr-defined]  # registered while the tf.function (holding body) lives
     return tf.function(body, jit_compile=jit_compile, input_signature=input_signature,
                        autograph=False)
+
+
+def _register_library(library: function_pb2.FunctionDefLibrary) -> list[Any]:
+    """Registers `library`'s functions in the eager context; returns the objects that keep them there.
+
+    Importing a GraphDef inside a `tf.function` puts its library in that function's graph
+    only: the calls in it (a While's `cond` and `body`) are resolved when it runs, in the
+    eager context, by name. Under the traced program's own names that found the context's
+    definitions, not the rewritten graph's: the user's trace had registered its loops, a
+    pass's scratch graph the loops it built, and a function a pass changed ran unchanged.
+    An outer tape differentiating the import registers the graph's own definitions (while_v2's
+    gradient reads each loop's), which differ from those (`as_graph_def(add_shapes=True)`
+    gave them `_output_shapes`, passes may have edited them): its first call failed with
+    "Attempting to add a duplicate function with name: while_cond_…". So each import names
+    its functions anew (`import_as_function`) and registers them here, the way TensorFlow's
+    gradient does (same definitions, so that registers them again without a conflict).
+
+    TensorFlow removes a function from the context when the object that registered it is
+    collected (a count per name): keep the returned list as long as the imported function.
+    """
+    functions = function_lib.from_library(library)
+    with tf.init_scope():  # the context is eager even when the import is built inside a trace
+        for function in functions:
+            _ = function.definition  # registers it in the eager context
+    return functions

@@ -300,7 +300,8 @@ class Config:
         tensor_split_size: expert override: the largest tensor a split loop body may
             hold; None = the threshold, or whatever fits the budget.
         passes: the pipeline stages that run, a subset of `PASS_STAGES`.
-        jit_compile: compile the rewritten graph with XLA.
+        jit_compile: compile the rewritten graph with XLA (and the program as written, where it
+            falls back, as stock `tf.function(jit_compile=True)` would).
         strict: raise instead of falling back to the original function when tfmem cannot
             rewrite, import or run a graph.
         verify: on the first call of each signature, run the original and the rewritten

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import function_pb2, graph_pb2, node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 # Ops whose output is a view of (or the same buffer as) their first input: they extend
@@ -140,6 +140,44 @@ def node_inputs(node: node_def_pb2.NodeDef) -> list[TensorRef]:
     """The data inputs of a NodeDef outside any Graph (a copy kept to restore later), in
     order: what it read when it was copied, to compare with what its namesake reads now."""
     return _split_inputs(node)[0]
+
+
+def rename_functions(graph_def: graph_pb2.GraphDef, names: Mapping[str, str]) -> None:
+    """Renames library functions of `graph_def` in place, with every reference to them.
+
+    A function is named by its signature, by the op of a node that calls it directly, by
+    `func` attrs (a While's `cond` and `body`, a call's `f`, nested in other attrs' lists
+    and in function-valued attrs' own attrs) in the graph and inside functions, and by the
+    library's gradient entries. Edit only a GraphDef of your own (`to_graph_def`'s).
+
+    Example:
+        >>> graph_def = graph.to_graph_def()
+        >>> rename_functions(graph_def, {"while_body_6": "while_body_6_x", "while_cond_5": "while_cond_5_x"})
+    """
+    def rename_attr(value: attr_value_pb2.AttrValue) -> None:
+        kind = value.WhichOneof("value")
+        functions = [value.func] if kind == "func" else list(value.list.func) if kind == "list" else []
+        for function in functions:
+            function.name = names.get(function.name, function.name)
+            for nested in function.attr.values():
+                rename_attr(nested)
+
+    def rename_node(node: node_def_pb2.NodeDef) -> None:
+        node.op = names.get(node.op, node.op)
+        for value in node.attr.values():
+            rename_attr(value)
+
+    for node in graph_def.node:
+        rename_node(node)
+    for function in graph_def.library.function:
+        function.signature.name = names.get(function.signature.name, function.signature.name)
+        for node in function.node_def:
+            rename_node(node)
+        for value in function.attr.values():
+            rename_attr(value)
+    for gradient in graph_def.library.gradient:
+        gradient.function_name = names.get(gradient.function_name, gradient.function_name)
+        gradient.gradient_func = names.get(gradient.gradient_func, gradient.gradient_func)
 
 
 def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:

@@ -68,6 +68,7 @@ class Report:
         config: the config it was rewritten under, as the user gave it.
         traced, rewritten, compiled: its stages, as far as they got (None: not reached).
         fallback_reason: why the original function runs instead ("" when it does not).
+        fallback_runs: how it runs then, in words ("unchanged, under XLA (...)"; "" for unchanged).
         replica: the `tf.distribute` replica the signature was traced in (inside
             `strategy.run`; its budget is then that replica's), else None.
         xla_bytes_before: XLA's planned bytes for the original under
@@ -90,6 +91,7 @@ class Report:
     rewritten: Rewritten | None = dataclasses.field(default=None, repr=False, compare=False)
     compiled: Compiled | None = dataclasses.field(default=None, repr=False, compare=False)
     fallback_reason: str = ""
+    fallback_runs: str = ""
     replica: Any = None
     xla_bytes_before: int | None = None
     explained_xla_plan: XlaPlan | None = None
@@ -107,9 +109,9 @@ class Report:
         return cls(traced.function_name, traced.signature, config or rewritten.config, traced=traced,
                    rewritten=rewritten, compiled=compiled, replica=replica)
 
-    def fall_back(self, reason: str) -> Report:
-        """This report, for a signature that now runs the original function."""
-        return dataclasses.replace(self, fallback_reason=reason)
+    def fall_back(self, reason: str, runs: str = "") -> Report:
+        """This report, for a signature that now runs the original function (`runs`: how)."""
+        return dataclasses.replace(self, fallback_reason=reason, fallback_runs=runs)
 
     # --- what happened ----------------------------------------------------------------
 
@@ -266,7 +268,7 @@ class Report:
     def summary(self) -> str:
         """One line: does it fit, what the peak was and is, and what was split."""
         if self.status == "fallback":
-            return f"fallback: {self.function_name} runs unchanged: {self.reason}"
+            return f"fallback: {self.function_name} runs {self.fallback_runs or 'unchanged'}: {self.reason}"
         before = self.memory_before.peak_bytes if self.memory_before else None
         after = self.memory_after.peak_bytes if self.memory_after else None
         peaks = f"estimated peak {format_size(after)}, was {format_size(before)}"

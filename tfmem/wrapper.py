@@ -11,9 +11,11 @@ by the same pipeline (so it is split like the forward), and recomputes the forwa
 instead of keeping its intermediates.
 
 Whatever tfmem cannot handle (dynamic shapes, an op XLA cannot compile, a pass that
-fails, a graph that does not import) runs the original `tf.function` unchanged after a
-`TfmemWarning` saying why; a budget the rewrite cannot meet is warned about the same
-way. With `strict`, both raise `TfmemError` instead.
+fails, a graph that does not import) runs the program as written, as stock `tf.function`
+with the config's `jit_compile` runs it (so a fallback gives what stock XLA gives), after a
+`TfmemWarning` saying why and how it runs; where XLA cannot compile the program as written
+either, it runs in graph mode after a second warning. A budget the rewrite cannot meet is
+warned about the same way. With `strict`, both raise `TfmemError` instead.
 
 Inside `strategy.run` (see `tfmem.distribute`) each replica's trace is rewritten for its
 device, with its share of the budget; replicas whose traces are identical share one run
@@ -58,9 +60,12 @@ class _Signature:
     concrete: Any
     report: Report
     traced: Traced | None = None
-    compiled: Compiled | None = None  # None means "run the original"
+    compiled: Compiled | None = None  # None means "run the program as written" (`_run_as_written`)
     inline: bool = False  # run the Python function inline (it cannot be a nested function here)
     called: bool = False
+    # Why XLA cannot compile the program as written ("" until it refused; it runs in graph mode since).
+    xla_refused: str = ""
+    as_written_called: bool = False
     backward: dict[tuple[int, ...], TfmemFunction] = dataclasses.field(default_factory=dict)
 
 
@@ -80,8 +85,10 @@ class TfmemFunction:
         self._scope = re.sub(r"[^A-Za-z0-9_.]", "_", self._name)
         self._passes = passes
         self._lint = lint
-        # Stock tf.function: traces for us (same retracing rules) and is the fallback.
+        # Stock tf.function: traces for us (same retracing rules; tracing needs no XLA) and runs
+        # the program as written in graph mode.
         self.original = tf.function(fn, input_signature=input_signature)
+        self._original_under_xla: Any = None  # stock tf.function(jit_compile=True), made when first needed
         self._signatures: dict[tuple[int, Config], _Signature] = {}
         # Rewrites by (GraphDef digest, config, budget): each replica of a strategy traces
         # its own concrete function, usually with an identical GraphDef; the passes run once.
@@ -129,7 +136,7 @@ class TfmemFunction:
         if signature.inline:
             return self.python_function(*args, **kwargs)
         if signature.compiled is None:
-            return self.original(*args, **kwargs)
+            return self._run_as_written(signature, args, kwargs)
         if not signature.traced.captured.has_side_effects and record.could_possibly_record():
             return self._call_with_gradient(signature, args, kwargs)
         return self._call(signature, args, kwargs)
@@ -148,7 +155,7 @@ class TfmemFunction:
         except Exception as err:  # tracing, importing or compiling the rewrite failed
             self._fall_back(signature, f"the rewritten graph failed on its first call: "
                                        f"{type(err).__name__}: {first_line(err)}", err)
-            return self.original(*args, **kwargs)
+            return self._run_as_written(signature, args, kwargs)
         signature.report = dataclasses.replace(signature.report, first_run_seconds=time.perf_counter() - start)
         if signature.report.config.verify:
             return self._verify(signature, args, kwargs, result)
@@ -184,13 +191,14 @@ class TfmemFunction:
 
     def _verify(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                 result: Any) -> Any:
-        """`result` if it equals the original's; else the original's, after a fallback."""
+        """`result` if it equals the program's as written (`_run_as_written`: under XLA when the
+        config says so, whose random numbers and rounding are XLA's); else that, after a fallback."""
         if signature.traced.captured.has_side_effects:
             warn(f"tfmem: not verifying {self._name}: it writes state, so running it twice would "
                  "change the result")
             return result
         config = signature.report.config
-        expected = self.original(*args, **kwargs)
+        expected = self._run_as_written(signature, args, kwargs)
         for got, want in zip(tf.nest.flatten(result, expand_composites=True),
                              tf.nest.flatten(expected, expand_composites=True)):
             if not isinstance(want, tf.Tensor):
@@ -204,6 +212,56 @@ class TfmemFunction:
                                            f"original by {diff}")
                 return expected
         return result
+
+    def _under_xla(self) -> Any:
+        """Stock `tf.function(fn, jit_compile=True)`: the program as written, under XLA."""
+        if self._original_under_xla is None:
+            self._original_under_xla = tf.function(self.python_function, jit_compile=True,
+                                                   input_signature=self._input_signature)
+        return self._original_under_xla
+
+    def _as_written(self, signature: _Signature) -> Any:
+        """The stock `tf.function` that runs `signature`'s program as written: with the config's
+        `jit_compile`, as the user would run it without tfmem (XLA draws random numbers, and
+        orders float arithmetic, its own way), in graph mode once XLA refused it."""
+        if signature.report.config.jit_compile and not signature.xla_refused:
+            return self._under_xla()
+        return self.original
+
+    def _run_as_written(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs the program as written (`_as_written`), after a fallback or to verify a rewrite.
+
+        Where XLA cannot compile it, it runs in graph mode from then on, after a warning. XLA
+        compiles on the first call; inside another function's trace that call is only recorded
+        (XLA's refusal would come when that function runs, past any fallback), so XLA is asked
+        for the program's HLO first.
+        """
+        function = self._as_written(signature)
+        if function is self.original or signature.as_written_called:
+            return function(*args, **kwargs)
+        signature.as_written_called = True
+        try:
+            if not tf.executing_eagerly():
+                _ask_xla_to_compile(function, args, kwargs)
+            return function(*args, **kwargs)
+        except tf.errors.ResourceExhaustedError:
+            raise  # stock XLA runs out of memory too; graph mode promises nothing better
+        except Exception as err:  # noqa: BLE001 - an op or a construct XLA cannot compile
+            self._xla_refused(signature, err)
+            return self.original(*args, **kwargs)
+
+    def _xla_refused(self, signature: _Signature, err: Exception) -> None:
+        """Records and warns that XLA cannot compile the program as written: graph mode from now on."""
+        signature.xla_refused = f"{type(err).__name__}: {first_line(err)}"
+        report = signature.report
+        named = f"{self._name}{report.signature}{report.where}"
+        if report.status != "fallback":  # verifying a rewrite that runs: only the reference changes
+            warn(f"tfmem: XLA cannot compile {named} as written ({signature.xla_refused}); verifying the "
+                 "rewrite against it in graph mode, without XLA")
+            return
+        runs = _runs_as_written(report.config, signature.xla_refused)
+        signature.report = report.fall_back(report.reason, runs)
+        warn(f"tfmem: running {named} {runs}")
 
     def _call_with_gradient(self, signature: _Signature, args: tuple[Any, ...],
                             kwargs: dict[str, Any]) -> Any:
@@ -398,9 +456,10 @@ class TfmemFunction:
         warn(message)
 
     def _fall_back(self, signature: _Signature, reason: str, cause: BaseException | None = None) -> None:
-        signature.report = signature.report.fall_back(reason)
+        runs = _runs_as_written(signature.report.config, signature.xla_refused)
+        signature.report = signature.report.fall_back(reason, runs)
         signature.compiled = None
-        message = f"tfmem: running {self._name}{signature.report.signature}{signature.report.where} unchanged: {reason}"
+        message = f"tfmem: running {self._name}{signature.report.signature}{signature.report.where} {runs}: {reason}"
         if signature.report.config.strict:
             raise TfmemError(message) from cause
         warn(message)
@@ -431,9 +490,8 @@ class TfmemFunction:
         if signature.inline:
             return report
         if report.xla_bytes_before is None:
-            stock = tf.function(self.python_function, jit_compile=True,
-                                input_signature=self._input_signature)
-            report = dataclasses.replace(report, xla_bytes_before=xla_planned_bytes(stock, *args, **kwargs))
+            report = dataclasses.replace(report, xla_bytes_before=xla_planned_bytes(self._under_xla(), *args,
+                                                                                    **kwargs))
         if report.xla_bytes_after is None and signature.compiled is not None:
             report = dataclasses.replace(report, explained_xla_plan=signature.compiled.xla_plan(*args, **kwargs))
         signature.report = report
@@ -448,9 +506,11 @@ class TfmemFunction:
         return self._signature(args, kwargs, self.config).compiled
 
     def get_concrete_function(self, *args: Any, **kwargs: Any) -> Any:
-        """The concrete function of the rewritten graph (the original's after a fallback)."""
-        compiled = self.compiled(*args, **kwargs)
-        return (compiled.function if compiled is not None else self.original).get_concrete_function(*args, **kwargs)
+        """The concrete function of the rewritten graph; after a fallback, of the program as
+        written as it runs (under XLA when the config says so, until XLA refused it)."""
+        signature = self._signature(args, kwargs, self.config)
+        function = signature.compiled.function if signature.compiled is not None else self._as_written(signature)
+        return function.get_concrete_function(*args, **kwargs)
 
 
 def function(fn: Callable[..., Any] | None = None, *, config: Any = None, jit_compile: bool | None = None,
@@ -500,6 +560,32 @@ def _substitute(args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], 
         new_flat[position] = tensor
     new_args, new_kwargs = tf.nest.pack_sequence_as((args, kwargs), new_flat, expand_composites=True)
     return tuple(new_args), dict(new_kwargs)
+
+
+def _runs_as_written(config: Config, xla_refused: str = "") -> str:
+    """How the program runs after a fallback, in words (warnings and `Report.summary` say it)."""
+    if not config.jit_compile:
+        return "unchanged, without XLA (jit_compile=False)"
+    if xla_refused:
+        return f"unchanged in graph mode, without XLA: XLA cannot compile it either ({xla_refused})"
+    return "unchanged, under XLA (as tf.function(jit_compile=True))"
+
+
+def _ask_xla_to_compile(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raises where XLA cannot compile `function` (a `tf.function(jit_compile=True)`) for
+    these arguments; asked eagerly, from their specs, when called inside another trace.
+
+    A shape not fully known is left to XLA when it runs (it compiles for the shapes it meets).
+    """
+    def spec(value: Any) -> Any:
+        return tf.TensorSpec.from_tensor(value) if isinstance(value, tf.Tensor) else value
+
+    specs_args, specs_kwargs = tf.nest.map_structure(spec, (args, kwargs))
+    specs = [s for s in tf.nest.flatten((specs_args, specs_kwargs)) if isinstance(s, tf.TensorSpec)]
+    if not all(s.shape.is_fully_defined() for s in specs):
+        return
+    with tf.init_scope():
+        function.experimental_get_compiler_ir(*specs_args, **specs_kwargs)(stage="hlo")
 
 
 def _signature_text(concrete: Any) -> str:

@@ -162,3 +162,23 @@ def test_the_allocators_peak_is_read_after_the_check_that_grew_it(inputs, monkey
     budget = tfmem.Budget(8 * mib, "config")
     assert budget.fits_xla_plan(6 * mib, int(5.9 * mib), 0)
     assert tfmem.Report.of(traced, kept).fits is False
+
+
+def _plan_in_this_process(plan_cache: str) -> str:
+    """Runs `kernel_times` under a budget with `plan_cache` (in a child process): its report's summary."""
+    x, v = (tf.constant(np.random.default_rng(0).normal(size=(N, k))) for k in (3, 8))
+    wrapped = tfmem.function(kernel_times, config={"memory_budget": "8MiB", "plan_cache": plan_cache, "strict": True})
+    wrapped(x, v)
+    return wrapped.report(x, v).summary()
+
+
+def test_a_plan_made_in_another_process_runs(inputs, tmp_path) -> None:
+    """The split loop's functions of a plan read from the cache were never registered in this
+    process: the import registers them (before, "Function while_cond_… is not defined" and a
+    fallback)."""
+    made = tfmem.run_isolated("tests.tfmem.test_first_call:_plan_in_this_process", str(tmp_path))
+    assert made.ok, made.error
+    here = tfmem.function(kernel_times, config={"memory_budget": "8MiB", "plan_cache": str(tmp_path), "strict": True})
+    np.testing.assert_allclose(here(*inputs).numpy(), _expected(inputs), rtol=1e-10)
+    report = here.report(*inputs)
+    assert report.plan_from_cache and report.splits and report.summary() == made.value

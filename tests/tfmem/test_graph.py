@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfmem import Graph, GraphError, TensorRef
+from tfmem.graph import rename_functions
 
 
 def traced(fn, *specs) -> tuple[Graph, object]:
@@ -122,6 +123,36 @@ def test_library_functions_are_carried() -> None:
     (loop,) = list(graph.find(("While", "StatelessWhile")))
     assert graph.function(loop.attr["body"].func.name) is not None
     assert len(graph.to_graph_def().library.function) == len(graph_def.library.function)
+
+
+def test_rename_functions_renames_every_reference() -> None:
+    """Signatures, While cond/body, a call's `f` inside a loop body, a cond's branches: all
+    renamed; names not in the mapping stay."""
+    inner = tf.function(lambda a: a * 2.0)
+
+    def fn(x):
+        looped = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, inner(a)), (0, x))[1]
+        return tf.cond(tf.reduce_sum(looped) > 0, lambda: looped, lambda: -looped)
+
+    _, graph_def = traced(fn, tf.TensorSpec([3], tf.float32))
+    names = {f.signature.name for f in graph_def.library.function}
+    renamed = {name: f"{name}_x" for name in names}
+    rename_functions(graph_def, renamed)
+
+    def referenced(nodes) -> set[str]:
+        found = set()
+        for node in nodes:
+            for value in node.attr.values():
+                kind = value.WhichOneof("value")
+                found |= {value.func.name} if kind == "func" else {f.name for f in value.list.func}
+        return found
+
+    functions = graph_def.library.function
+    assert {f.signature.name for f in functions} == set(renamed.values())
+    inside = [n for f in functions for n in f.node_def]
+    assert referenced(graph_def.node) | referenced(inside) <= set(renamed.values())
+    assert len(referenced(graph_def.node) | referenced(inside)) >= 5  # cond, body, call, two branches
+    assert not {n.op for n in inside} & names
 
 
 def test_only_the_graph_view_parses_graphdef_input_strings() -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,10 @@ def assert_same(got: Any, want: Any) -> None:
             np.testing.assert_allclose(g, w, rtol=RTOL.get(w.dtype, 0), atol=1e-12)
         else:
             assert g == w
+
+
+def _tfmem_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)]
 
 
 def _elementwise(x):
@@ -128,7 +133,8 @@ def test_one_rewrite_per_signature_cached(rng: np.random.Generator) -> None:
     with tfmem.config_scope(Config(passes=["cleanup"], verify=True)):
         wrapped(tf.ones([4]))  # a different config is a different rewrite of the same trace
     assert len(wrapped._signatures) == 3
-    assert len(calls) == 2
+    assert wrapped.original.experimental_get_tracing_count() == 2
+    assert len(calls) == 3  # verify's reference is stock tf.function(jit_compile=True), its own trace
 
 
 def test_variable_reads_and_writes_reach_the_real_variables() -> None:
@@ -291,6 +297,35 @@ class _ChangeConstants(GraphPass):
         return PassResult(graph, bool(changed), [RewriteRecord(self.name, "change", "fired", tuple(changed))])
 
 
+class _TripleInLoopBodies(GraphPass):
+    """Edits library functions in place, keeping their names: every 2.0 in them becomes 3.0."""
+
+    name, stage = "triple_in_loop_bodies", "cleanup"
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        changed = []
+        for function in graph.library.function:
+            for node in function.node_def:
+                if node.op == "Const" and node.attr["value"].tensor.dtype == tf.float64.as_datatype_enum \
+                        and np.all(tf.make_ndarray(node.attr["value"].tensor) == 2.0):
+                    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.float64(3.0)))
+                    changed.append(f"{function.signature.name}/{node.name}")
+        return PassResult(graph, bool(changed), [RewriteRecord(self.name, "triple", "fired", tuple(changed))])
+
+
+def test_library_functions_run_as_rewritten() -> None:
+    """The imported graph runs its own library functions: before, it ran those registered in
+    TensorFlow's eager context under the same names (the user's trace's), so an edited loop
+    body ran unedited."""
+    def doubling(x):
+        return tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 2.0), (0, x))[1]
+
+    x = tf.ones([2], tf.float64)
+    wrapped = tfmem.TfmemFunction(doubling, passes=[_TripleInLoopBodies()], config=Config(strict=True))
+    np.testing.assert_array_equal(wrapped(x).numpy(), [27.0, 27.0])
+    assert wrapped.report(x).status == "rewritten"
+
+
 def test_failing_pass_falls_back_naming_the_pass() -> None:
     wrapped = tfmem.TfmemFunction(_elementwise, passes=[_BrokenPass()])
     with pytest.warns(tfmem.TfmemWarning, match="broken_pass.*boom"):
@@ -305,8 +340,11 @@ def test_op_xla_cannot_compile_falls_back_on_first_call() -> None:
         return tf.numpy_function(lambda a: a * 2, [x], tf.float32) + 1.0
 
     wrapped = tfmem.function(fn, config=NO_PASSES)
-    with pytest.warns(tfmem.TfmemWarning, match="first call"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = wrapped(tf.ones([3]))
+    first, second = _tfmem_warnings(caught)  # the rewrite, then the program as written under XLA
+    assert "first call" in first and "XLA cannot compile it either" in second, (first, second)
     np.testing.assert_allclose(got.numpy(), [3.0, 3.0, 3.0])
     assert wrapped.report(tf.ones([3])).status == "fallback"
     np.testing.assert_allclose(wrapped(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
@@ -314,6 +352,103 @@ def test_op_xla_cannot_compile_falls_back_on_first_call() -> None:
     plain = tfmem.function(fn, config=Config(passes=[], jit_compile=False))
     np.testing.assert_allclose(plain(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
     assert plain.report(tf.ones([3])).status != "fallback"
+
+
+def _random_scaled(x):
+    """Stateless random numbers: XLA on CPU draws other ones than graph mode for the same seed."""
+    return tf.random.stateless_uniform(tf.shape(x), seed=[1, 2], dtype=x.dtype) * x
+
+
+class _ImportFails(GraphPass):
+    """Wrong on purpose: its output node declares a dtype its input does not have, so
+    importing the graph fails on the first call."""
+
+    name, stage = "import_fails", "cleanup"
+
+    def run(self, graph: Graph, config: Config) -> PassResult:
+        output = graph.node(graph.outputs[0].node)
+        output.attr["T"].type = tf.int32.as_datatype_enum
+        return PassResult(graph, True, [RewriteRecord(self.name, "break", "fired", (output.name,))])
+
+
+@pytest.mark.parametrize("broken, why", [(_BrokenPass, "broken_pass.*boom"), (_ImportFails, "first call")],
+                         ids=["pass_fails", "first_call_fails"])
+def test_fallback_runs_the_program_as_stock_xla_would(broken: type[GraphPass], why: str) -> None:
+    x = tf.ones([64], tf.float64)
+    stock_xla, stock_graph = tf.function(_random_scaled, jit_compile=True)(x), tf.function(_random_scaled)(x)
+    assert np.any(stock_xla.numpy() != stock_graph.numpy())  # else this test shows nothing
+    wrapped = tfmem.TfmemFunction(_random_scaled, passes=[broken()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = wrapped(x)
+    (shown,) = _tfmem_warnings(caught)
+    assert re.search(why, shown) and "unchanged, under XLA (as tf.function(jit_compile=True))" in shown, shown
+    np.testing.assert_array_equal(got.numpy(), stock_xla.numpy())
+    np.testing.assert_array_equal(wrapped(x).numpy(), stock_xla.numpy())
+    report = wrapped.report(x)
+    assert report.status == "fallback" and "runs unchanged, under XLA" in report.summary()
+    assert wrapped.get_concrete_function(x).function_def.attr["_XlaMustCompile"].b
+
+
+def test_fallback_without_xla_when_the_config_says_so() -> None:
+    x = tf.ones([64], tf.float64)
+    wrapped = tfmem.TfmemFunction(_random_scaled, passes=[_BrokenPass()], config=Config(jit_compile=False))
+    with pytest.warns(tfmem.TfmemWarning, match=re.escape("unchanged, without XLA (jit_compile=False)")):
+        got = wrapped(x)
+    np.testing.assert_array_equal(got.numpy(), tf.function(_random_scaled)(x).numpy())
+
+
+def _numpy_doubled(x):
+    return tf.numpy_function(lambda a: a * 2, [x], tf.float32) + 1.0
+
+
+def test_fallback_runs_in_graph_mode_where_xla_cannot_compile_the_program_either() -> None:
+    wrapped = tfmem.TfmemFunction(_numpy_doubled, passes=[_BrokenPass()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = wrapped(tf.ones([3]))
+    np.testing.assert_allclose(got.numpy(), [3.0, 3.0, 3.0])
+    first, second = _tfmem_warnings(caught)
+    assert "broken_pass" in first and "under XLA" in first
+    assert "unchanged in graph mode, without XLA" in second and "XLA cannot compile it either" in second
+    assert "PyFunc" in second, second  # XLA's own words: which op it has no kernel for
+    assert all(w.filename == __file__ for w in caught)  # they point at the user's call
+    assert "runs unchanged in graph mode, without XLA" in wrapped.report(tf.ones([3])).summary()
+    with warnings.catch_warnings(record=True) as caught:  # decided once: no XLA attempt, no warning
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(wrapped(tf.ones([3])).numpy(), [3.0, 3.0, 3.0])
+    assert _tfmem_warnings(caught) == []
+    assert not wrapped.get_concrete_function(tf.ones([3])).function_def.attr["_XlaMustCompile"].b
+
+
+def test_fallback_inside_another_function_asks_xla_before_calling_it() -> None:
+    """Inside another function's trace the call is only recorded: an XLA that cannot compile
+    the program would fail when that function runs, past any fallback. XLA is asked first."""
+    wrapped = tfmem.TfmemFunction(_numpy_doubled, passes=[_BrokenPass()])
+
+    @tf.function
+    def outer(x):
+        return wrapped(x) * 2.0
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(outer(tf.ones([3])).numpy(), [6.0, 6.0, 6.0])
+    first, second = _tfmem_warnings(caught)
+    assert "broken_pass" in first and "XLA cannot compile it either" in second, (first, second)
+    inner = tfmem.TfmemFunction(_random_scaled, passes=[_BrokenPass()])
+    x = tf.ones([64], tf.float64)
+    with pytest.warns(tfmem.TfmemWarning, match="under XLA"):
+        got = tf.function(lambda x: inner(x))(x)
+    np.testing.assert_array_equal(got.numpy(), tf.function(_random_scaled, jit_compile=True)(x).numpy())
+
+
+def test_verify_compares_with_the_program_under_xla() -> None:
+    """The reference is the program as stock XLA runs it: against graph mode, XLA's other
+    random numbers failed verification of a rewrite that changed nothing."""
+    x = tf.ones([64], tf.float64)
+    wrapped = tfmem.function(_random_scaled, config=Config(passes=[], verify=True, strict=True))
+    np.testing.assert_array_equal(wrapped(x).numpy(), tf.function(_random_scaled, jit_compile=True)(x).numpy())
+    assert wrapped.report(x).status == "unchanged"
 
 
 def test_verify_catches_a_wrong_rewrite() -> None:
@@ -359,3 +494,94 @@ def test_decorator_forms_and_jit_override() -> None:
     assert configured.__name__ == "configured"
     assert tfmem.xla_planned_bytes(configured, tf.constant(1.0)) is None
     assert tfmem.xla_planned_bytes(bare, tf.constant(1.0)) > 0
+
+
+# --- an outer tape through programs whose graphs hold library functions --------------
+
+SPLIT_KERNEL = Config(tensor_size_threshold="64KB", memory_budget="1MB")
+
+
+def _checked_kernel_times(x, v):
+    """An [n, n] kernel matrix tfmem splits into loops; check_numerics is a stateful op
+    (GPflow's GPR predict_f holds one) that only checks, so it is no side effect."""
+    sqdist = tf.reduce_sum((x[:, None, :] - x[None, :, :]) ** 2, -1)  # [n, n]
+    return tf.debugging.check_numerics(tf.exp(-0.5 * sqdist) @ v, "kernel_times")  # [n, k]
+
+
+def _tape_gradient(fn: Callable[..., Any], x: tf.Tensor, *rest: Any) -> tuple[Any, tf.Tensor]:
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = fn(x, *rest)
+        loss = tf.reduce_sum(tf.nest.flatten(out)[0] ** 2)
+    return out, tape.gradient(loss, x)
+
+
+def test_outer_tape_through_split_loops_of_a_checked_program(rng: np.random.Generator) -> None:
+    """The loops tfmem adds are differentiated by the custom gradient, not by TensorFlow
+    through the compiled function (which XLA cannot do for a loop: its accumulators would
+    cross the XLA boundary); before, check_numerics counted as a side effect and the first
+    call failed ("duplicate function with name: while_cond_…") and fell back."""
+    x, v = tf.constant(rng.normal(size=(200, 3))), tf.constant(rng.normal(size=(200, 2)))
+    want = _tape_gradient(tf.function(_checked_kernel_times, jit_compile=True), x, v)
+    wrapped = tfmem.function(_checked_kernel_times, config=SPLIT_KERNEL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _tape_gradient(wrapped, x, v)
+    assert _tfmem_warnings(caught) == []
+    report = wrapped.report(x, v)
+    assert report.status == "rewritten" and report.splits, report.summary()
+    assert_same(got, want)
+
+
+def _counted_loop(counter: tf.Variable):
+    def fn(x):
+        counter.assign_add(1.0)  # a side effect: TensorFlow differentiates the compiled function itself
+        _, y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.sin(y) * x), (tf.constant(0), x),
+                             maximum_iterations=3)
+        return tf.reduce_sum(y ** 2)
+    return fn
+
+
+def test_outer_tape_through_a_while_loop_of_a_program_with_effects(rng: np.random.Generator) -> None:
+    """TensorFlow differentiates the imported graph's loop and registers its functions in the
+    eager context: under the names of the traced program, whose own (shapeless) definitions
+    are registered there already, the first call failed ("duplicate function with name:
+    while_cond_…") and fell back; imported under names of their own, they do not collide."""
+    x = tf.constant(rng.normal(size=(4,)))
+    counters = [tf.Variable(0.0), tf.Variable(0.0)]
+    want = _tape_gradient(tf.function(_counted_loop(counters[0])), x)
+    wrapped = tfmem.function(_counted_loop(counters[1]), config=Config(jit_compile=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _tape_gradient(wrapped, x)
+    assert _tfmem_warnings(caught) == []
+    assert wrapped.report(x).status != "fallback"
+    assert_same(got, want)
+    assert float(counters[1]) == float(counters[0]) == 1.0
+
+
+def test_outer_tape_through_gpflow_predict_f_split(rng: np.random.Generator) -> None:
+    """The fuzzer's case: GPflow GPR predict_f (a CheckNumerics inside) split into a loop,
+    differentiated with respect to the test inputs from an outer tape, equals stock XLA
+    without a fallback. (A threshold without a budget splits it without XLA's checks.)"""
+    import gpflow
+
+    n = 150
+    data_x = rng.uniform(-3, 3, size=(n, 2))
+    data_y = np.sin(data_x[:, :1]) * np.cos(data_x[:, 1:]) + 0.1 * rng.normal(size=(n, 1))
+    model = gpflow.models.GPR((data_x, data_y), gpflow.kernels.SquaredExponential(lengthscales=0.5),
+                              noise_variance=0.05)
+
+    def predict(xs):
+        return model.predict_f(xs)
+
+    xs = tf.constant(rng.uniform(-3, 3, size=(200, 2)))
+    want = _tape_gradient(tf.function(predict, jit_compile=True), xs)
+    wrapped = tfmem.function(predict, config=Config(tensor_size_threshold="60kB", memory_budget="off"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _tape_gradient(wrapped, xs)
+    assert _tfmem_warnings(caught) == []
+    assert wrapped.report(xs).splits, wrapped.report(xs).summary()
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12)
