@@ -23,13 +23,20 @@ warning when it does not) — is decided here and nowhere else:
 
 - under XLA, without asking for its plan, `Budget.fits_unchecked`: the static estimate
   times `ESTIMATE_ERROR` (the most XLA's plan exceeded the estimate on the corpus), taken
-  as one block, fits XLA's share beside the regions the allocator already grew;
+  as one block, fits XLA's share beside what the allocator holds and the regions it grew;
 - with XLA's plan (asked for only when the first rule cannot say yes: it costs a
-  compilation), `Budget.fits_xla_plan`: the plan fits the budget and its block of
-  temporaries finds room in one piece. (Planning aims lower, at `XLA_FRACTION` of the
-  budget: `Budget.xla_overshoot` over that share makes the passes plan again);
+  compilation), `Budget.fits_xla_plan`: the plan fits the budget, beside what the
+  allocator holds already, and its block of temporaries finds room in one piece.
+  (Planning aims lower, at `XLA_FRACTION` of the budget: `Budget.xla_overshoot` over that
+  share makes the passes plan again, to `Budget.replan_target`);
 - where there is no XLA plan to ask for (`jit_compile: false`, or XLA cannot compile
   the program), `Budget.fits_estimate`: the estimate within the planning share.
+
+A configured budget bounds everything the allocator holds, as a real limit of that size
+would: the call's inputs (each in the whole chunk BFC gave it, which can be near twice its
+size), the process's other tensors, and what the call allocates. What the allocator holds
+when a plan is judged (`Held`, read by `allocator_held`) counts against it. A budget taken
+from the device has left out what its allocator held then (`Budget.in_use_excluded`).
 
 The real peak TensorFlow's BFC allocator reports can come close to the limit even so:
 a block that needs a new region gets the whole region when it is under twice the
@@ -89,16 +96,44 @@ REGION_SLACK = 2.0
 ESTIMATE_ERROR = 1.75
 # An overshoot this large means the block found (next to) no room: its size over one byte.
 _NO_ROOM_OVERSHOOT = 1000.0
+# A re-plan aims this much under what XLA's plan had to shed (`Budget.replan_target`): the
+# estimate and XLA's plan do not move byte for byte.
+REPLAN_MARGIN = 0.95
 
 _DEVICE_RE = re.compile(r"(?:device:)?(?P<kind>CPU|GPU|TPU):(?P<index>\d+)$", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
+class Held:
+    """What a device's allocator holds when a plan for it is judged (`allocator_held`).
+
+    Attributes:
+        in_use: bytes in use now: the call's inputs, the process's other tensors, each in
+            the chunk the allocator gave it (BFC hands out a whole chunk under twice the
+            request: a 9.8 MiB input can hold 16 MiB).
+        peak: the allocator's peak so far, where it grows in regions that it never gives
+            back (TensorFlow's BFC on the CPU); 0 elsewhere (see `Budget.xla_overshoot`).
+    """
+
+    in_use: int = 0
+    peak: int = 0
+
+
+NOTHING_HELD = Held()
+
+
+@dataclasses.dataclass(frozen=True)
 class Budget:
-    """A memory budget in bytes, and where it came from (for reports)."""
+    """A memory budget in bytes, and where it came from (for reports).
+
+    `in_use_excluded`: what the device's allocator held when this budget was derived from
+    it, left out of `nbytes` already (`device_budget`); 0 for a configured budget, which
+    bounds all the allocator holds.
+    """
 
     nbytes: int
     source: str
+    in_use_excluded: int = dataclasses.field(default=0, repr=False)
 
     @property
     def plan_bytes(self) -> int:
@@ -110,56 +145,88 @@ class Budget:
         planning share (`plan_bytes`). A plan that passed `fits_unchecked` passes this too."""
         return estimate_bytes <= self.plan_bytes
 
-    def fits_unchecked(self, estimate_bytes: int, held_peak: int = 0) -> bool:
+    def fits_unchecked(self, estimate_bytes: int, held: Held = NOTHING_HELD) -> bool:
         """Whether a program estimated at `estimate_bytes` fits with no XLA check: even
         with XLA planning `ESTIMATE_ERROR` times the estimate, all in one block, beside
-        regions the allocator grew for earlier allocations peaking at `held_peak`.
+        what the allocator holds (`held`).
 
         This is the rule for skipping XLA's check; with XLA's plan, the rule is
         `fits_xla_plan` (see the module docstring for all three).
 
         Example:
             >>> budget = Budget(1000, "config")       # XLA's share 950; unchecked 542
-            >>> budget.fits_unchecked(500), budget.fits_unchecked(600), budget.fits_unchecked(500, held_peak=100)
+            >>> budget.fits_unchecked(500), budget.fits_unchecked(600), budget.fits_unchecked(500, Held(peak=100))
             (True, False, False)
         """
         planned = int(estimate_bytes * ESTIMATE_ERROR)
-        return self.xla_overshoot(planned, planned, held_peak) <= 1
+        return self.xla_overshoot(planned, planned, held) <= 1
 
     @property
     def xla_bytes(self) -> int:
         """What XLA's planned allocation may reach for the program to count as fitting."""
         return int(self.nbytes * XLA_FRACTION)
 
-    def xla_overshoot(self, total_bytes: int, largest_bytes: int, held_peak: int = 0, *,
+    def beside(self, held: Held) -> int:
+        """What the allocator holds that this budget must hold too: all it holds, for a
+        configured budget; what it took since, for one derived from the device."""
+        return max(0, held.in_use - self.in_use_excluded)
+
+    def block_room(self, total_bytes: int, largest_bytes: int, held: Held = NOTHING_HELD, *,
+                   other_bytes: int = 0, limit: int | None = None) -> float:
+        """The room XLA's block of temporaries (`largest_bytes`) finds in one piece under
+        `limit` (default: XLA's share); at most 0 when it finds none, however small.
+
+        The larger of two: what the largest region the allocator grew has left (regions
+        double, so it holds at least `held.peak / REGION_SLACK`, and all that is in use may
+        sit in it), and what is left to grow once regions of `REGION_SLACK` times what
+        came before the block are held: the allocator's peak and the call's outputs
+        (`other_bytes`), or the plan's buffers other than the block, whichever is more.
+
+        Example:
+            >>> budget = Budget(1000, "config")
+            >>> budget.block_room(900, 800), budget.block_room(600, 500, Held(in_use=100, peak=900))
+            (750.0, 350.0)
+        """
+        limit = self.xla_bytes if limit is None else limit
+        largest_region = held.peak / REGION_SLACK - held.in_use  # regions double: the last holds at least half
+        grown = max(held.peak + other_bytes, total_bytes - largest_bytes)
+        return max(largest_region, limit - REGION_SLACK * grown)
+
+    def xla_overshoot(self, total_bytes: int, largest_bytes: int, held: Held = NOTHING_HELD, *,
                       other_bytes: int = 0, limit: int | None = None) -> float:
         """How far XLA's plan is over `limit` (default: XLA's share of this budget, what
         planning aims for): ≤ 1 fits, 1.3 means 30% over.
 
-        The plan must fit whole, and its largest block (the temporaries) must find room
-        in one piece: in the largest region the allocator grew for earlier allocations that
-        peaked at `held_peak` (at least `held_peak / REGION_SLACK`), or in what is left to
-        grow once regions of `REGION_SLACK` times those allocations (or the plan's other
-        buffers) are held. `other_bytes`, what the call allocates itself beside that block
-        (a big output), grows regions of its own on top of `held_peak`: a block that needs
+        The plan must fit whole beside what the allocator holds (`held.in_use`, as far as
+        the budget must hold it: `beside`): the call allocates its block of temporaries
+        and `other_bytes` (its outputs) on top of that, and its parameters are among it.
+        And its largest block (the temporaries) must find room in one piece
+        (`block_room`). `other_bytes`, what the call allocates itself beside that block
+        (a big output), grows regions of its own on top of `held.peak`: a block that needs
         a new region under twice its size takes all of it, so what comes after it must
         find room elsewhere (SGPR `predict_f(full_cov=True)` at 3,000 points: a 68.7 MiB
         output and a 14.8 MiB block, 83.6 MiB planned, ran out of memory under 128 MiB).
+        A Gram-matrix loss with gradients over two [20000, 64] float64 inputs under 62.5 MiB:
+        XLA planned 53.7 MiB with them, but the allocator held 32 MiB for the two 9.8 MiB
+        inputs, and 32 + 19.5 (outputs) + 14.6 (block) MiB ran out of memory.
 
         Example:
             >>> budget = Budget(1000, "config")                   # XLA may plan 950
             >>> budget.xla_overshoot(total_bytes=900, largest_bytes=800)  # room: 950 - 2 × 100
             1.066...
-            >>> budget.xla_overshoot(total_bytes=900, largest_bytes=800, held_peak=300)  # room: 350
+            >>> budget.xla_overshoot(total_bytes=900, largest_bytes=800, held=Held(peak=300))  # room: 350
             2.285...
-            >>> budget.xla_overshoot(total_bytes=900, largest_bytes=600, held_peak=100, other_bytes=200)  # room: 350
+            >>> budget.xla_overshoot(total_bytes=900, largest_bytes=600, held=Held(peak=100), other_bytes=200)
             1.714...
+            >>> budget.xla_overshoot(total_bytes=500, largest_bytes=200, held=Held(in_use=400), other_bytes=200)
+            0.842...
+            >>> budget.xla_overshoot(total_bytes=500, largest_bytes=200, held=Held(in_use=600), other_bytes=200)
+            1.052...
         """
         limit = self.xla_bytes if limit is None else limit
-        largest_region = held_peak / REGION_SLACK  # regions double: the last holds at least half
-        held = max(held_peak + other_bytes, total_bytes - largest_bytes)
-        room = max(largest_region, limit - REGION_SLACK * held)
-        return max(total_bytes / limit, largest_bytes / max(room, 1))
+        whole = max(total_bytes, self.beside(held) + largest_bytes + other_bytes)
+        room = self.block_room(total_bytes, largest_bytes, held, other_bytes=other_bytes, limit=limit)
+        return max(whole / limit, largest_bytes / max(room, 1))
 
     @staticmethod
     def describe_overshoot(overshoot: float) -> str:
@@ -174,10 +241,11 @@ class Budget:
             return "overshoot: no room for its block of temporaries"
         return f"overshoot {overshoot:.3f}"
 
-    def fits_xla_plan(self, total_bytes: int, largest_bytes: int, held_peak: int = 0, *,
+    def fits_xla_plan(self, total_bytes: int, largest_bytes: int, held: Held = NOTHING_HELD, *,
                       other_bytes: int = 0) -> bool:
-        """The verdict on a program XLA planned: the plan fits the budget itself, its block
-        of temporaries in one piece (`xla_overshoot` against `nbytes`).
+        """The verdict on a program XLA planned: the plan fits the budget itself, beside
+        what the allocator holds, its block of temporaries in one piece (`xla_overshoot`
+        against `nbytes`).
 
         Planning aims for XLA's share (`xla_bytes`), a margin; the verdict does not
         count the margin as used. XLA allocates every buffer the call needs in its plan
@@ -189,20 +257,92 @@ class Budget:
             >>> budget = Budget(1000, "config")
             >>> budget.fits_xla_plan(960, 950), budget.xla_overshoot(960, 950) > 1
             (True, True)
-            >>> budget.fits_xla_plan(1010, 950), budget.fits_xla_plan(960, 950, held_peak=200)
+            >>> budget.fits_xla_plan(1010, 950), budget.fits_xla_plan(960, 950, Held(peak=200))
             (False, False)
         """
-        return self.xla_overshoot(total_bytes, largest_bytes, held_peak, other_bytes=other_bytes,
+        return self.xla_overshoot(total_bytes, largest_bytes, held, other_bytes=other_bytes,
                                   limit=self.nbytes) <= 1
 
-    def plan_overshoot(self, plan: XlaPlan, held_peak: int = 0) -> float:
+    def plan_overshoot(self, plan: XlaPlan, held: Held = NOTHING_HELD) -> float:
         """`xla_overshoot` of a plan XLA made: its block of temporaries, allocated after its
         outputs, must find room beside them."""
-        return self.xla_overshoot(plan.total_bytes, plan.block_bytes, held_peak, other_bytes=plan.output_bytes)
+        return self.xla_overshoot(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
 
-    def fits_plan(self, plan: XlaPlan, held_peak: int = 0) -> bool:
+    def fits_plan(self, plan: XlaPlan, held: Held = NOTHING_HELD) -> bool:
         """`fits_xla_plan` of a plan XLA made (its block after its outputs)."""
-        return self.fits_xla_plan(plan.total_bytes, plan.block_bytes, held_peak, other_bytes=plan.output_bytes)
+        return self.fits_xla_plan(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
+
+    def replan_target(self, plan: XlaPlan, estimate_bytes: int, held: Held = NOTHING_HELD) -> int | None:
+        """The target the passes plan to next when XLA's plan (`plan`) of a program the
+        static estimate put at `estimate_bytes` is over XLA's share; None when no plan can
+        reach the share.
+
+        Splitting further and taking smaller chunks lower XLA's block of temporaries; the
+        call's inputs and outputs and what the allocator holds stay. So what must come off
+        is counted in bytes: the plan's excess over the share, or its block's over the
+        room it finds in one piece (`block_room`), whichever is more. The estimate comes
+        down by the same share of itself as that is of XLA's plan (XLA can plan 1.8 times
+        the estimate), and `REPLAN_MARGIN` below that. Dividing the target by the
+        overshoot instead over-shrinks it where the block finds little room (GPR
+        `predict_f(full_cov=True)`, n=1500, 2000 test points: planned lower under 152.6
+        MiB than under 61 MiB), and where the block finds none at all the overshoot is the
+        block over one byte (a target of 1 B). None when what must come off is the whole
+        block or more: however small its temporaries, the rest leaves them no room
+        (`why_not` says why).
+
+        Example:
+            >>> from tfmem.memory import XlaPlan
+            >>> budget = Budget(1000, "config")                  # XLA's share 950
+            >>> budget.replan_target(XlaPlan(900, 800), 900)     # the block finds 750: 50 of 900 to shed
+            807
+            >>> budget.replan_target(XlaPlan(900, 800), 450)     # the estimate's share of that: 25
+            403
+            >>> budget.replan_target(XlaPlan(900, 800), 900, Held(in_use=200, peak=200))  # it finds 550
+            641
+            >>> budget.replan_target(XlaPlan(900, 300, temp_bytes=300, output_bytes=500), 900) is None
+            True
+        """
+        limit = self.xla_bytes
+        whole = max(plan.total_bytes, self.beside(held) + plan.block_bytes + plan.output_bytes)
+        room = self.block_room(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes, limit=limit)
+        shed = max(whole - limit, plan.block_bytes - room)
+        next_target = int(estimate_bytes * (1 - shed / max(whole, 1)) * REPLAN_MARGIN)
+        return next_target if shed < plan.block_bytes and next_target > 0 else None
+
+    def why_not(self, plan: XlaPlan, held: Held = NOTHING_HELD, *, limit: int | None = None) -> str:
+        """Why XLA's plan does not fit `limit` (default: the budget itself), in words: the
+        bytes over it, beside what the allocator holds; else the room its block of
+        temporaries does not find in one piece (`block_room`).
+
+        Example:
+            >>> from tfmem.memory import XlaPlan
+            >>> print(Budget(1000, "config").why_not(XlaPlan(900, 300, temp_bytes=300, output_bytes=500)))
+            its block of temporaries (300 B) finds no room in one piece: regions of up to 2× XLA's other buffers (parameters, outputs, constants), 600 B, leave none of 1000 B
+            >>> print(Budget(1000, "config").why_not(XlaPlan(700, 600, temp_bytes=600, output_bytes=100), Held(in_use=400)))
+            the call allocates 700 B (its outputs and its block of temporaries) beside the 400 B the allocator holds already (its inputs among it): 1.1 KiB, over 1000 B
+        """
+        limit = self.nbytes if limit is None else limit
+        total, block, outputs = plan.total_bytes, plan.block_bytes, plan.output_bytes
+        beside, reasons = self.beside(held), []
+        if beside + block + outputs > max(total, limit):
+            reasons.append(f"the call allocates {format_size(block + outputs)} (its outputs and its block of "
+                           f"temporaries) beside the {format_size(beside)} the allocator holds already (its inputs "
+                           f"among it): {format_size(beside + block + outputs)}, over {format_size(limit)}")
+        elif total > limit:
+            reasons.append(f"XLA plans {format_size(total)}, over {format_size(limit)}")
+        room = self.block_room(total, block, held, other_bytes=outputs, limit=limit)
+        if block > room:
+            grown = max(held.peak + outputs, total - block)
+            which = ("the call's outputs and the allocator's peak" if held.peak + outputs >= total - block
+                     else "XLA's other buffers (parameters, outputs, constants)")
+            left = limit - REGION_SLACK * grown
+            where = (f"regions of up to {REGION_SLACK:g}× {which}, {format_size(grown)}, leave "
+                     + (format_size(int(left)) if left >= 1 else "none") + f" of {format_size(limit)}")
+            if held.peak and held.in_use:
+                where += f", and those it grew hold {format_size(held.in_use)} in use"
+            found = f"only {format_size(int(room))}" if room >= 1 else "no room"
+            reasons.append(f"its block of temporaries ({format_size(block)}) finds {found} in one piece: {where}")
+        return "; ".join(reasons) or f"XLA's plan fits {format_size(limit)}"
 
     @property
     def origin(self) -> str:
@@ -305,21 +445,25 @@ def device_budget(device: str | None = None, *, sharing: int = 1, environ: Mappi
         free, source = int(room * CPU_SAFETY_FRACTION), f"{CPU_SAFETY_FRACTION:.0%} of {source}"
     if sharing > 1:
         source += f", shared by {sharing} replicas"
-    return Budget(free // max(1, sharing), source)
+    return Budget(free // max(1, sharing), source, in_use_excluded=held)
 
 
-def allocator_peak(device: str | None = None) -> int:
-    """The peak so far of the allocator a program on `device` uses, where it matters.
+def allocator_held(device: str | None = None) -> Held:
+    """What the allocator a program on `device` uses holds now, and its peak where it matters.
 
-    0 where unknown, and where the allocator does not grow in regions (the CPU without
-    `TF_CPU_ALLOCATOR_USE_BFC`, a GPU without memory growth): see `Budget.xla_overshoot`.
+    Nothing on the CPU without `TF_CPU_ALLOCATOR_USE_BFC`: no limit is enforced there, and
+    a budget bounds the program alone (the test suite's process holds whatever earlier
+    tests left). The peak is 0 where the allocator does not grow in regions (a GPU without
+    memory growth: one preallocated region): see `Budget.xla_overshoot`. Zeros where unknown.
 
     `device`: as for `device_budget`; None = the first GPU if there is one, else the CPU.
     """
     kind, index = _resolve_device(device, _gpu_names)
-    if not _grows_in_regions(kind, index):
-        return 0  # regions do not matter: malloc on the CPU, or one preallocated GPU region
-    return _memory_info(f"{kind}:{index}")[1]
+    grows = _grows_in_regions(kind, index)
+    if kind == "CPU" and not grows:
+        return NOTHING_HELD
+    in_use, peak = _memory_info(f"{kind}:{index}")
+    return Held(in_use, peak if grows else 0)
 
 
 def _grows_in_regions(kind: str, index: int, environ: Mapping[str, str] | None = None) -> bool:

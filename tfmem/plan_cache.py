@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tfmem.budget import Budget, PlanVerdict
+from tfmem.budget import NOTHING_HELD, Budget, Held, PlanVerdict
 from tfmem.config import Config
 from tfmem.context import PassContext
 from tfmem.graph import Graph
@@ -39,8 +39,9 @@ from tfmem.passes import RewriteRecord, collector_paused
 
 logger = logging.getLogger(__name__)
 
-# Bumped whenever what a plan file holds, or what it means, changes.
-FORMAT = 3
+# Bumped whenever what a plan file holds, or what it means, changes (4: the allocator's
+# bytes in use beside its peak, and an overshoot that counts them).
+FORMAT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,8 @@ class PlanCache:
                     "largest_bytes": plan.largest_bytes if plan is not None else None,
                     "temp_bytes": plan.temp_bytes if plan is not None else None,
                     "output_bytes": plan.output_bytes if plan is not None else None,
-                    "overshoot": compiled.xla_overshoot, "held_peak": compiled.held_peak},
+                    "overshoot": compiled.xla_overshoot, "held_peak": compiled.held.peak,
+                    "held_in_use": compiled.held.in_use},
         }
         os.makedirs(self.directory, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
@@ -131,13 +133,13 @@ class PlanCache:
             raise
 
 
-def checked_plan(xla: dict[str, Any]) -> tuple[XlaPlan | None, float | None, int]:
-    """The XLA plan, its overshoot and the allocator's peak then, as a plan file recorded
-    them ((None, None, 0): XLA was not asked)."""
+def checked_plan(xla: dict[str, Any]) -> tuple[XlaPlan | None, float | None, Held]:
+    """The XLA plan, its overshoot and what the allocator held then, as a plan file recorded
+    them ((None, None, nothing held): XLA was not asked)."""
     if xla.get("total_bytes") is None:
-        return None, None, 0
+        return None, None, NOTHING_HELD
     temp = xla.get("temp_bytes")
     return (XlaPlan(int(xla["total_bytes"]), int(xla["largest_bytes"]), temp_bytes=None if temp is None else int(temp),
                     output_bytes=int(xla.get("output_bytes") or 0)),
             xla.get("overshoot"),
-            int(xla.get("held_peak") or 0))
+            Held(int(xla.get("held_in_use") or 0), int(xla.get("held_peak") or 0)))

@@ -255,7 +255,7 @@ class Report:
         # (a plan compiled without asking XLA passed `fits_unchecked`, stricter than this).
         plan = self.compiled.checked_plan if self.compiled is not None else None
         if plan is not None and self.config.jit_compile:
-            return self.budget.fits_plan(plan, self.compiled.held_peak)
+            return self.budget.fits_plan(plan, self.compiled.held)
         if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
             return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
         return self.budget.fits_estimate(self.memory_after.peak_bytes)
@@ -298,12 +298,14 @@ class Report:
         if dropped is not None:
             line += f" — {dropped.reason}"
         verdict = self.verdict
-        if not self.fits and verdict is not None and not verdict.fits:
-            line += f" — {verdict.reason}; {self.memory_after.in_words()}"
-        elif not self.fits and self.xla_bytes_after is not None and self.xla_bytes_after <= self.budget.nbytes:
-            line += (f" — XLA's largest block, {format_size(self.xla_largest_bytes_after)}, may not find room in "
-                     "one piece beside the allocator's earlier regions")
-        elif self.fits and self.xla_bytes_after is not None:
+        checked = self.compiled.checked_plan if self.compiled is not None else None
+        if not self.fits:
+            # XLA's plan decides where it was checked; the static plan says what kept it from going lower.
+            if checked is not None and self.config.jit_compile:
+                line += f" — {self.budget.why_not(checked, self.compiled.held)}"
+            if verdict is not None and not verdict.fits:
+                line += f" — {verdict.reason}; {self.memory_after.in_words()}"
+        elif self.xla_bytes_after is not None:
             spare = self.budget.nbytes - self.xla_bytes_after
             if self.xla_bytes_after > self.budget.xla_bytes:
                 line += f" — with {format_size(spare)} to spare, under the {1 - XLA_FRACTION:.0%} margin planned for"

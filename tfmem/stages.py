@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tfmem.budget import ESTIMATE_ERROR, Budget, PlanVerdict, allocator_peak, resolve_budget
+from tfmem.budget import ESTIMATE_ERROR, NOTHING_HELD, Budget, Held, PlanVerdict, allocator_held, resolve_budget
 from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config, format_size
 from tfmem.context import PassContext
@@ -189,8 +189,8 @@ class Compiled:
         checked_plan: XLA's plan for it, when `compile_within_budget` checked one.
         xla_overshoot: `Budget.xla_overshoot` of that plan against XLA's share (≤ 1: within
             the share planning aims for), given what the allocator held before.
-        held_peak: the allocator's peak when the plan was checked (`Budget.fits_xla_plan`
-            judges the plan beside the regions it grew).
+        held: what the allocator held when the plan was checked, and its peak
+            (`Budget.fits_xla_plan` judges the plan beside them).
         check_seconds: how long asking XLA took (it compiles the program).
     """
 
@@ -200,7 +200,7 @@ class Compiled:
     checked_plan: XlaPlan | None = None
     xla_overshoot: float | None = None
     check_seconds: float = 0.0
-    held_peak: int = 0
+    held: Held = NOTHING_HELD
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
@@ -237,8 +237,10 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        block too large to find room beside the rest (`Budget.xla_overshoot`), the passes
        XLA decides on (held back so far) are tried, and kept when XLA fits their plan
        better (`_with_xla_checked_passes`, one compile more); then the passes run again to
-       a plan scaled down by the overshoot, up to `_REPLANS` times; not when the static
-       plan already missed its own target (a tighter one meets the same wall).
+       a target lowered by what XLA's plan must shed (`Budget.replan_target`), up to
+       `_REPLANS` times; not when the static plan already missed its own target (a tighter
+       one meets the same wall), nor when no plan can fit (the call's inputs, outputs and
+       what the allocator holds leave its temporaries no room, however small).
     3. A rewritten program that still does not fit is planned once more with XLA's live
        set at its peak in view: what XLA holds there for later readers is made again for
        them, a loop XLA peaks in takes smaller chunks (`_plan_around_xla_peaks`); kept when
@@ -260,7 +262,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     # (Grappler's constant folding) and XLA's compilation allocate too, and the regions
     # they grow stay (SGPR Matern52 N=40,000 under 192 MiB: 11.4 MiB before the rewrite,
     # 30.3 MiB after it, and XLA's 137.4 MiB block then found no room).
-    if not ask_xla and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_peak()):
+    if not ask_xla and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
             f"not asked: the estimated peak {format_size(rewritten.memory.peak_bytes)} fits even if XLA plans "
             f"{ESTIMATE_ERROR}× it (the estimate's largest error measured on the corpus) in one block"))
@@ -274,19 +276,19 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         start = time.perf_counter()
         planned = compiled.xla_plan(*args, **kwargs)
         check_seconds += time.perf_counter() - start
-        held_peak = allocator_peak()
+        held = allocator_held()
         if planned is None:
             return dataclasses.replace(compiled, check_seconds=check_seconds)
-        overshoot = budget.plan_overshoot(planned, held_peak)
+        overshoot = budget.plan_overshoot(planned, held)
         compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,
-                                       check_seconds=check_seconds, held_peak=held_peak)
+                                       check_seconds=check_seconds, held=held)
         if attempt == 0 and overshoot > 1:
             compiled, checked = _with_xla_checked_passes(traced, config, compiled, budget, args, kwargs,
                                                          passes=passes, lint=lint,
                                                          input_signature=input_signature, name=name)
             check_seconds, rewritten = compiled.check_seconds, compiled.rewritten
             if checked:  # plan on with them
-                planned, overshoot = compiled.checked_plan, compiled.xla_overshoot
+                planned, overshoot, held = compiled.checked_plan, compiled.xla_overshoot, compiled.held
                 assert planned is not None and overshoot is not None
         if best is None or overshoot < best.xla_overshoot:
             best = compiled
@@ -302,7 +304,16 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
                        f"({budget.describe_overshoot(overshoot)}); not planning again: the static plan is over its "
                        "target already, with nothing left that splitting or smaller chunks would lower")
             break
-        target = int(rewritten.context.target_bytes / overshoot * _REPLAN_MARGIN)
+        target = budget.replan_target(planned, rewritten.memory.peak_bytes, held)
+        if target is None:
+            # However small its temporaries, the rest leaves them no room: planning again
+            # would only take smaller chunks, each trip slower, for no verdict it can change.
+            stopped = RewriteRecord(
+                "compile_within_budget", "XlaPlan", "info", kind="plan",
+                reason=f"XLA plans {format_size(planned.total_bytes)} against its share {format_size(budget.xla_bytes)} "
+                       f"({budget.describe_overshoot(overshoot)}); not planning again: no plan can fit, "
+                       f"{budget.why_not(planned, held, limit=budget.xla_bytes)}")
+            break
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", details={
             "xla_planned_bytes": planned.total_bytes, "xla_share_bytes": budget.xla_bytes,
             "xla_largest_allocation_bytes": planned.largest_bytes, "overshoot": round(overshoot, 3),
@@ -352,7 +363,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
     acted_before = 0
     for _ in range(_XLA_PEAK_ROUNDS):
         plan = compiled.checked_plan
-        if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held_peak):
+        if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held):
             return compiled
         peaks = (*peaks, plan.peak_with_others)
         start = time.perf_counter()
@@ -367,9 +378,9 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         candidate = again.compile(input_signature=input_signature, name=name)
         planned = candidate.xla_plan(*args, **kwargs)
         check_seconds = compiled.check_seconds + time.perf_counter() - start
-        held_peak = allocator_peak()
+        held = allocator_held()
         changes = "; ".join(dict.fromkeys(_xla_peak_change(r) for r in acted))
-        overshoot = budget.plan_overshoot(planned, held_peak) if planned is not None else None
+        overshoot = budget.plan_overshoot(planned, held) if planned is not None else None
         # Kept for what decides the verdict: XLA's plan must fit better, not only be smaller.
         if overshoot is None or compiled.xla_overshoot is None or overshoot >= compiled.xla_overshoot:
             note = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
@@ -386,7 +397,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
                                         seconds=compiled.rewritten.seconds + again.seconds)
         compiled = dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned,
-                                       xla_overshoot=overshoot, check_seconds=check_seconds, held_peak=held_peak)
+                                       xla_overshoot=overshoot, check_seconds=check_seconds, held=held)
     return compiled
 
 
@@ -436,8 +447,8 @@ def _with_xla_checked_passes(traced: Traced, config: Config, compiled: Compiled,
     candidate = again.compile(input_signature=input_signature, name=name)
     planned = candidate.xla_plan(*args, **kwargs)
     check_seconds = compiled.check_seconds + time.perf_counter() - start
-    held_peak = allocator_peak()
-    overshoot = budget.plan_overshoot(planned, held_peak) if planned is not None else None
+    held = allocator_held()
+    overshoot = budget.plan_overshoot(planned, held) if planned is not None else None
     named = ", ".join(fired)
     without = f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)}) without"
     if overshoot is None or planned is None or overshoot >= compiled.xla_overshoot:
@@ -456,7 +467,7 @@ def _with_xla_checked_passes(traced: Traced, config: Config, compiled: Compiled,
     rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
                                     seconds=compiled.rewritten.seconds + again.seconds)
     return dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned, xla_overshoot=overshoot,
-                               check_seconds=check_seconds, held_peak=held_peak), True
+                               check_seconds=check_seconds, held=held), True
 
 
 def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled, budget: Budget,
@@ -478,13 +489,13 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
     instead`.
     """
     plan = compiled.checked_plan
-    if plan is None or not compiled.rewritten.modified or budget.fits_plan(plan, compiled.held_peak):
+    if plan is None or not compiled.rewritten.modified or budget.fits_plan(plan, compiled.held):
         return compiled
     start = time.perf_counter()
     as_written = traced.rewrite(config, passes=[], budget=budget).compile(input_signature=input_signature, name=name)
     written_plan = as_written.xla_plan(*args, **kwargs)
     check_seconds = compiled.check_seconds + time.perf_counter() - start
-    held_peak = allocator_peak()
+    held = allocator_held()
     if written_plan is None or written_plan.total_bytes >= plan.total_bytes:
         note = RewriteRecord("compile_within_budget", NEVER_WORSE_RULE, "info", kind="plan", reason=(
             f"kept: XLA plans {format_size(plan.total_bytes)} for the rewritten program"
@@ -500,11 +511,10 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
     rewritten = dataclasses.replace(as_written.rewritten, records=(dropped,),
                                     seconds=compiled.rewritten.seconds + as_written.rewritten.seconds)
     return dataclasses.replace(as_written, rewritten=rewritten, checked_plan=written_plan,
-                               xla_overshoot=budget.plan_overshoot(written_plan, held_peak),
-                               check_seconds=check_seconds, held_peak=held_peak)
+                               xla_overshoot=budget.plan_overshoot(written_plan, held),
+                               check_seconds=check_seconds, held=held)
 
 
 _REPLANS = 2
 # Rounds of rule 3 (`_plan_around_xla_peaks`), each one more compile of a plan that did not fit.
 _XLA_PEAK_ROUNDS = 2
-_REPLAN_MARGIN = 0.95

@@ -386,7 +386,7 @@ class TfmemFunction:
             again = shared.rewritten.for_trace(traced).compile(input_signature=self._input_signature,
                                                                name=f"tfmem_{self._scope}")
             return dataclasses.replace(again, checked_plan=shared.checked_plan, xla_overshoot=shared.xla_overshoot,
-                                       held_peak=shared.held_peak)
+                                       held=shared.held)
         if config.plan_cache is not None and self._passes is None:
             compiled = self._compile_cached(traced, config, args, kwargs, budget, key[0])
         else:
@@ -408,9 +408,9 @@ class TfmemFunction:
         name = f"tfmem_{self._scope}"
         if found is not None:
             rewritten, xla = found
-            plan, overshoot, held_peak = checked_plan(xla)
+            plan, overshoot, held = checked_plan(xla)
             return dataclasses.replace(rewritten.compile(input_signature=self._input_signature, name=name),
-                                       checked_plan=plan, xla_overshoot=overshoot, held_peak=held_peak)
+                                       checked_plan=plan, xla_overshoot=overshoot, held=held)
         compiled = compile_within_budget(traced, config, args, kwargs, passes=None, lint=self._lint,
                                          budget=budget, input_signature=self._input_signature, name=name)
         try:

@@ -564,6 +564,9 @@ class Planner:
         """Why the peak stays over the plan: the largest tensor there, its op and why it stays."""
         over = f"the static peak {format_size(estimate.peak_bytes)} stays over the plan {format_size(plan)}"
         loop = self._loop_running(estimate.peak_node)
+        if loop is not None and not estimate.nested_peak_bytes:
+            return (f"{over}: at loop {loop.scope} ({loop.chunks} chunks of {loop.chunk}), whose body adds nothing "
+                    "at the peak: what the loop reads and writes whole stays, whatever its chunks")
         if loop is not None:
             return (f"{over}: at loop {loop.scope} ({loop.chunks} chunks of {loop.chunk}), whose body needs "
                     f"{format_size(estimate.nested_peak_bytes)} even in the smallest chunks it can take")

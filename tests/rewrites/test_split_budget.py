@@ -166,6 +166,51 @@ def test_a_budget_that_cannot_be_met_is_loud_and_names_what_blocks_it(rng: np.ra
         strict(x)
 
 
+def gram_style_loss(a: tf.Tensor, b: tf.Tensor) -> tuple[tf.Tensor, ...]:
+    """((AᵀA − BᵀB)/N)² summed, and its gradients: [64, 64] Gram matrices of [N, 64] inputs."""
+    with tf.GradientTape() as tape:
+        tape.watch([a, b])
+        gram_a = tf.transpose(a) @ a / a.shape[0]
+        gram_b = tf.transpose(b) @ b / b.shape[0]
+        loss = tf.reduce_sum((gram_a - gram_b) ** 2)
+    return (loss, *tape.gradient(loss, [a, b]))
+
+
+def gram_style_loss_under_a_limit(rows: int, budget: int) -> dict[str, Any]:
+    """The verdict on `gram_style_loss` and how its call went, in a process under a real limit.
+
+    The inputs are made by TensorFlow (a cast), so the allocator holds them as a user's data
+    would be held, each in a whole chunk (a numpy array may be aliased instead, or not).
+    """
+    rng = np.random.default_rng(8)
+    a, b = (tf.cast(tf.constant(rng.normal(size=(rows, 64)).astype(np.float32)), tf.float64) for _ in range(2))
+    wrapped = tfmem.function(gram_style_loss, config=tfmem.Config(memory_budget=budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmem.TfmemWarning)
+        report = wrapped.report(a, b)
+    try:
+        [t.numpy() for t in wrapped(a, b)]
+        status = "ok"
+    except tf.errors.ResourceExhaustedError:
+        status = "oom"
+    return {"fits": report.fits, "summary": report.summary(), "status": status}
+
+
+def test_a_program_whose_inputs_fill_the_allocator_is_not_said_to_fit() -> None:
+    # The inputs (two [20000, 64] float64, 9.8 MiB each) live in the allocator the budget
+    # bounds, in a 16 MiB chunk each; XLA planned 53.7 MiB for the call, inputs included, and the
+    # report said "fits 62.5 MiB", but 32 MiB held + 19.5 MiB of outputs left no room for its
+    # 14.6 MiB block. The verdict must be what the call does under that limit.
+    budget = 2 * 64 * 64 * 8 * 1000  # 62.5 MiB
+    result = tfmem.run_isolated(gram_style_loss_under_a_limit, 20_000, budget,
+                                memory_limit_mb=math.ceil(budget / 2**20), timeout=300)
+    assert result.ok, result.error
+    outcome = result.value
+    assert outcome["fits"] == (outcome["status"] == "ok"), outcome
+    if not outcome["fits"]:
+        assert "the allocator holds" in outcome["summary"], outcome["summary"]
+
+
 def test_without_a_budget_or_threshold_nothing_is_split(kernel_inputs) -> None:
     report = tfmem.TfmemFunction(kernel_times).report(*kernel_inputs)
     assert report.budget is None and not report.splits
@@ -233,13 +278,22 @@ def test_a_threshold_that_misses_the_budget_gives_way_to_the_budget() -> None:
     assert both.graph.op_counts() == alone.graph.op_counts()
 
 
+def _block_plan(total_bytes: int, budget: int) -> Any:
+    """An XLA plan of `total_bytes`, all but a sixteenth of `budget` in its block of temporaries."""
+    from tfmem.memory import XlaPlan
+
+    return XlaPlan(total_bytes, total_bytes - budget // 16)
+
+
 def test_a_re_plan_that_comes_out_worse_under_xla_is_not_kept(kernel_inputs, monkeypatch) -> None:
     from tfmem import stages
     from tfmem.memory import XlaPlan
 
     budget = 8 * 2**20
-    plans = iter([2 * budget, 5 * budget, 4 * budget])  # the first is over, each re-plan is worse
-    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 2))
+    # The first is over, each re-plan is worse; the program as written, asked last, is worse still.
+    plans = iter([2 * budget, 5 * budget, 4 * budget, 6 * budget])
+    # Blocks beside little else (a block beside much finds no room: no plan could fit, none is made).
+    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: _block_plan(next(plans), budget))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=budget)
     kept = stages.compile_within_budget(traced, config, kernel_inputs, {}, ask_xla=True)
@@ -271,13 +325,13 @@ def test_a_re_plan_tightens_the_target_and_leaves_the_users_config_alone(kernel_
 
     budget = 8 * 2**20
     plans = iter([2 * budget, budget // 2])  # the first plan is twice over; the re-plan fits
-    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(next(plans), budget // 4))
+    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: _block_plan(next(plans), budget))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=budget)
     kept = stages.compile_within_budget(traced, config, kernel_inputs, {}, ask_xla=True)
     (note,) = [r for r in kept.rewritten.records if "next_target_bytes" in r.details]
     first_target = tfmem.Budget(budget, "config").plan_bytes
-    assert kept.rewritten.context.target_bytes == note.details["next_target_bytes"] < first_target // 2 + 1
+    assert kept.rewritten.context.target_bytes == note.details["next_target_bytes"] < first_target
     assert kept.rewritten.verdict.target_bytes == kept.rewritten.context.target_bytes
     assert kept.rewritten.config == config and kept.rewritten.budget.nbytes == budget
     report = tfmem.Report.of(traced, kept, config=config)
@@ -421,7 +475,7 @@ def test_a_loop_assembles_what_the_program_returns_and_avoids_the_rest(rng) -> N
     wrapped = tfmem.function(returned_covariance, config={"memory_budget": f"{3 * whole}B"})
     report = wrapped.report(x, z)
     assert report.fits and len(report.splits) == 1, str(report)
-    assert report.xla_bytes_after < 1.5 * whole, str(report)  # the output and a block of chunks
+    assert report.xla_bytes_after < 2 * whole, str(report)  # the output and a block of chunks, never a whole
     (split,) = report.splits
     assert N % split.details["chunk"] == 0  # no remainder chunk to join with a copy of the output
     np.testing.assert_allclose(wrapped(x, z).numpy(), stock(x, z).numpy(), rtol=1e-12, atol=1e-14)

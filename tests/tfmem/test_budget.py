@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from tfmem import budget as budget_module
-from tfmem.budget import (CPU_SAFETY_FRACTION, GPU_SAFETY_FRACTION, PLANNING_FRACTION, Budget, device_budget,
-                          resolve_budget)
+from tfmem.budget import (CPU_SAFETY_FRACTION, GPU_SAFETY_FRACTION, PLANNING_FRACTION, REPLAN_MARGIN, Budget, Held,
+                          device_budget, resolve_budget)
 from tfmem.config import Config
+from tfmem.memory import XlaPlan
 
 BFC_1GIB = {"TF_CPU_ALLOCATOR_USE_BFC": "1", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "1024"}
 
@@ -104,11 +105,11 @@ def test_xla_plan_fits_when_it_fits_whole_and_its_block_finds_room() -> None:
     assert budget.xla_overshoot(total_bytes=900, largest_bytes=800) == pytest.approx(800 / 750)
     # ... or of twice what the allocator held before (SVGP's refused block, in MiB):
     svgp = Budget(192 * 2**20, "config")
-    assert svgp.xla_overshoot(177 * 2**20, 166 * 2**20, held_peak=25 * 2**20) > 1.2
+    assert svgp.xla_overshoot(177 * 2**20, 166 * 2**20, held=Held(peak=25 * 2**20)) > 1.2
     # A block that fits in the largest region an earlier, larger program grew (at least
     # half its peak: regions double) fits; a larger one does not.
-    assert budget.xla_overshoot(total_bytes=600, largest_bytes=250, held_peak=900) == pytest.approx(600 / 950)
-    assert budget.xla_overshoot(total_bytes=600, largest_bytes=500, held_peak=900) == pytest.approx(500 / 450)
+    assert budget.xla_overshoot(total_bytes=600, largest_bytes=250, held=Held(peak=900)) == pytest.approx(600 / 950)
+    assert budget.xla_overshoot(total_bytes=600, largest_bytes=500, held=Held(peak=900)) == pytest.approx(500 / 450)
 
 
 def test_only_an_allocator_that_grows_in_regions_counts_its_peak() -> None:
@@ -157,10 +158,10 @@ def test_an_output_allocated_before_the_block_grows_regions_too() -> None:
     mib = 2**20
     budget = Budget(128 * mib, "config")
     total, output, block = int(83.9 * mib), int(68.7 * mib), int(14.8 * mib)
-    assert budget.fits_xla_plan(total, output, held_peak=10 * mib)  # the old reading
-    assert not budget.fits_xla_plan(total, block, held_peak=10 * mib, other_bytes=output)
+    assert budget.fits_xla_plan(total, output, held=Held(peak=10 * mib))  # the old reading
+    assert not budget.fits_xla_plan(total, block, held=Held(peak=10 * mib), other_bytes=output)
     # A block with small outputs before it is judged as before.
-    assert budget.fits_xla_plan(int(70 * mib), int(68.7 * mib), held_peak=20 * mib, other_bytes=mib // 4)
+    assert budget.fits_xla_plan(int(70 * mib), int(68.7 * mib), held=Held(peak=20 * mib), other_bytes=mib // 4)
 
 
 def test_a_plan_reads_its_block_and_outputs_from_xla(rng) -> None:
@@ -183,3 +184,78 @@ def test_an_overshoot_with_no_room_left_is_said_in_words() -> None:
     assert overshoot > 1e6
     assert budget.describe_overshoot(overshoot) == "overshoot: no room for its block of temporaries"
     assert budget.describe_overshoot(1.0734) == "overshoot 1.073"
+
+
+MIB = 2**20
+# A Gram-matrix loss with gradients, ((AᵀA − BᵀB)/N)² over two [20000, 64] float64 inputs, under
+# memory_budget 62.5 MiB and a 63 MiB allocator limit (bytes as measured). XLA planned 53.7 MiB:
+# the two 9.8 MiB inputs, two 9.8 MiB gradients (outputs) and a 14.6 MiB block of temporaries.
+GRAM_BUDGET = Budget(65_536_000, "config")
+GRAM_PLAN = XlaPlan(total_bytes=56_258_948, largest_bytes=20_480_032, temp_bytes=15_298_848, output_bytes=20_480_032)
+# The allocator held the inputs in a whole 16 MiB region each: 32 MiB in use, its peak.
+GRAM_HELD = Held(in_use=33_615_872, peak=33_647_872)
+
+
+def test_what_the_allocator_holds_counts_against_a_configured_budget() -> None:
+    # The call ran out of memory asking for its block: 32 MiB held + 19.5 outputs + 14.6 block is
+    # over 63 MiB. Judged by its peak alone, the largest region (at least half of it) had room.
+    assert not GRAM_BUDGET.fits_plan(GRAM_PLAN, GRAM_HELD)
+    assert GRAM_BUDGET.plan_overshoot(GRAM_PLAN, GRAM_HELD) > 1
+    assert GRAM_BUDGET.fits_plan(GRAM_PLAN, Held(peak=GRAM_HELD.peak))  # the old reading: its peak, nothing in use
+    assert "beside the 32.1 MiB the allocator holds already" in GRAM_BUDGET.why_not(GRAM_PLAN, GRAM_HELD)
+    # A budget from the device left out what its allocator held then: only what came since counts.
+    from_device = Budget(GRAM_BUDGET.nbytes, "TF_CPU_BFC_MEM_LIMIT_IN_MB=…", in_use_excluded=GRAM_HELD.in_use)
+    assert from_device.beside(GRAM_HELD) == 0 and from_device.beside(Held(GRAM_HELD.in_use + MIB)) == MIB
+
+
+def test_the_regions_an_allocator_grew_hold_what_is_in_use_there() -> None:
+    budget = Budget(1000, "config")
+    # A 900-byte peak grew a region of at least 450: free for a block of 400 while nothing is in
+    # use; with 300 bytes in use (perhaps all of them there), 150 is all it surely has.
+    assert budget.block_room(600, 400, Held(in_use=0, peak=900)) == 450
+    assert budget.block_room(600, 400, Held(in_use=300, peak=900)) == 150
+    assert not budget.fits_xla_plan(600, 400, Held(in_use=300, peak=900))
+
+
+def test_a_device_budget_excludes_what_its_allocator_holds() -> None:
+    budget = device_budget("CPU:0", environ=BFC_1GIB, gpu_limits=no_gpus, in_use=lambda d: (100 * MIB, 100 * MIB))
+    assert budget is not None and budget.in_use_excluded == 100 * MIB
+    assert resolve_budget(Config(memory_budget="1GiB")).in_use_excluded == 0
+
+
+def test_a_re_plan_takes_off_what_xla_must_shed_instead_of_scaling_by_the_overshoot() -> None:
+    # A 45 MiB output under 100 MiB leaves a 20 MiB block 5 MiB of room (95 − 2 × 45): the overshoot
+    # is 4, and dividing the 90 MiB target by it asked for 21.4 MiB, under the output alone. The
+    # block must shed 15 of XLA's 65 MiB: the estimate comes down by as large a share, less the margin.
+    budget = Budget(100 * MIB, "config")
+    plan = XlaPlan(65 * MIB, 45 * MIB, temp_bytes=20 * MIB, output_bytes=45 * MIB)
+    assert budget.plan_overshoot(plan) == pytest.approx(4.0)
+    assert budget.replan_target(plan, 65 * MIB) == pytest.approx(50 * MIB * REPLAN_MARGIN, abs=1)
+    # Where XLA plans twice the estimate, the estimate sheds half as many bytes.
+    assert budget.replan_target(plan, 32 * MIB + MIB // 2) == pytest.approx(25 * MIB * REPLAN_MARGIN, abs=1)
+
+
+def test_a_larger_budget_does_not_plan_lower_than_a_smaller_one() -> None:
+    # GPR predict_f(full_cov=True), n=1500, 2000 test points (bytes as measured): under 5 × 30.5 MiB
+    # the first plan's XLA block (212 MiB) found 83.8 MiB of room beside the 30.5 MiB output; the
+    # target divided by that overshoot (51.6 MiB) was under the 54.9 MiB a 2 × budget plans to.
+    larger, smaller = Budget(160_000_000, "config"), Budget(64_000_000, "config")
+    first = XlaPlan(254_350_633, 222_264_736, temp_bytes=222_264_736, output_bytes=32_016_016)
+    target = larger.replan_target(first, 142_433_136)
+    assert target is not None and target > smaller.plan_bytes
+    assert larger.plan_bytes / larger.plan_overshoot(first) * REPLAN_MARGIN < smaller.plan_bytes  # the old rule
+
+
+def test_no_re_plan_target_when_the_rest_leaves_the_temporaries_no_room() -> None:
+    # The Gram loss without an allocator limit (its first plan, in bytes): the inputs and outputs
+    # (39.1 MiB), in regions of up to twice their size, leave no room under 59.4 MiB however small
+    # the temporaries. The overshoot is the block over one byte; scaled by it, the target was 1 B.
+    first = XlaPlan(total_bytes=74_613_060, largest_bytes=33_652_960, temp_bytes=33_652_960,
+                    output_bytes=20_480_032)
+    assert GRAM_BUDGET.plan_overshoot(first) > 1e6
+    assert GRAM_BUDGET.replan_target(first, 51_275_776) is None
+    why = GRAM_BUDGET.why_not(first, limit=GRAM_BUDGET.xla_bytes)
+    assert "its block of temporaries (32.1 MiB) finds no room in one piece" in why, why
+    assert "(parameters, outputs, constants), 39.1 MiB, leave none of 59.4 MiB" in why, why
+    # What the allocator holds can take the room too (the Gram loss under its 63 MiB limit).
+    assert GRAM_BUDGET.replan_target(GRAM_PLAN, 51_275_776, GRAM_HELD) is None

@@ -153,14 +153,14 @@ def test_the_allocators_peak_is_read_after_the_check_that_grew_it(inputs, monkey
         return XlaPlan(6 * mib, int(5.9 * mib))
 
     monkeypatch.setattr(stages.Compiled, "xla_plan", check)
-    monkeypatch.setattr(stages, "allocator_peak", lambda: grown["peak"])
+    monkeypatch.setattr(stages, "allocator_held", lambda: budget_module.Held(peak=grown["peak"]))
     monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
     traced = tfmem.TfmemFunction(kernel_times).trace(*inputs)
     kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=8 * mib), inputs, {})
-    assert kept.held_peak == 3 * mib
+    assert kept.held.peak == 3 * mib
     # Beside regions of up to 2 × 3 MiB the 5.9 MiB block has no room in 8 MiB; before them it had.
     budget = tfmem.Budget(8 * mib, "config")
-    assert budget.fits_xla_plan(6 * mib, int(5.9 * mib), 0)
+    assert budget.fits_xla_plan(6 * mib, int(5.9 * mib))
     assert tfmem.Report.of(traced, kept).fits is False
 
 
