@@ -126,6 +126,16 @@ def run(program: str, size: Any, method: str, budget: str | dict[str, Any] | Non
     return out
 
 
+def stock_planned_bytes(program: str, size: Any) -> int:
+    """XLA's planned bytes for stock `jit_compile=True` of `program` at `size` (compiled, not run)."""
+    import tensorflow as tf
+
+    import tfmem
+
+    fn, args = PROGRAMS[program](*(size if isinstance(size, (tuple, list)) else [size]))
+    return tfmem.xla_planned_bytes(tf.function(fn, jit_compile=True), *args)
+
+
 def equal(program: str, size: Any, budget: str) -> dict[str, Any]:
     """tfmem (budget only) against stock XLA, in one process without a limit."""
     import tensorflow as tf

@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# XLA compiles the suite's programs with LLVM at -O0 (here and in every process a test starts):
+# compiling is most of the suite's time, and -O0 halves it. What the tests read does not
+# change: XLA assigns buffers before LLVM runs (its plans are the same bytes at -O0 and -O2,
+# checked on the corpus), and tfmem and stock XLA are compiled alike.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import numpy as np
 import pytest

@@ -52,6 +52,13 @@ ON_SPLIT_CPU: dict[str, str] = {
     "gpflow_integration.distributed": "DataParallelSGPR/SVGP over two logical CPUs",
 }
 
+# Modules whose examples start processes of their own (trials under real memory limits): their
+# examples run in a process of their own too, beside the other tests (tests/background.py).
+IN_BACKGROUND: dict[str, str] = {
+    "benchmarks.harness": "OOM searches in processes under real limits",
+    "tfmem.isolation": "trials in processes under real limits",
+}
+
 # rewrites/* are all engine passes under rewrite (issue 12, part 1): not scanned yet.
 ALL = _modules()
 WITH_EXAMPLES = [name for name, path in ALL.items() if name not in NOT_RUN_YET and ">>>" in path.read_text()]
@@ -59,7 +66,7 @@ WITH_EXAMPLES = [name for name, path in ALL.items() if name not in NOT_RUN_YET a
 
 def test_the_not_yet_list_names_real_modules() -> None:
     assert set(NOT_RUN_YET) <= set(ALL)
-    assert set(ON_SPLIT_CPU) <= set(WITH_EXAMPLES)
+    assert set(ON_SPLIT_CPU) | set(IN_BACKGROUND) <= set(WITH_EXAMPLES)
 
 
 def _gpflow_names() -> dict[str, Any]:
@@ -115,21 +122,36 @@ def _failures_on_split_cpu(name: str) -> list[str]:
     return _failures(name, {"strategy": strategy})
 
 
-def _split_cpu_job(name: str) -> str:
-    """The background job (tests/background.py) that runs `name`'s examples on a split CPU."""
+def _failures_from_the_repository(name: str) -> list[str]:
+    """`_failures`, in a process of its own (run isolated): from the repository root."""
+    import os
+
+    os.chdir(REPO)
+    return _failures(name)
+
+
+def _background_job(name: str) -> str:
+    """The background job (tests/background.py) that runs `name`'s examples in a process of
+    their own: on a split CPU (`ON_SPLIT_CPU`), or as they are (`IN_BACKGROUND`)."""
+    target = "_failures_on_split_cpu" if name in ON_SPLIT_CPU else "_failures_from_the_repository"
+
     def run() -> list[str]:
         from tfmem.isolation import run_isolated
 
-        result = run_isolated("tests.test_doctests:_failures_on_split_cpu", name, timeout=900)
+        result = run_isolated(f"tests.test_doctests:{target}", name, timeout=900)
         assert result.ok, f"{name}: the examples' process ended {result.status}: {result.error}"
         return result.value
 
-    return background.job(f"doctests:{name}")(run) and f"doctests:{name}"
+    background.job(f"doctests:{name}")(run)
+    return f"doctests:{name}"
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.background(_split_cpu_job(name)))
-                                  if name in ON_SPLIT_CPU else name for name in WITH_EXAMPLES])
+IN_A_PROCESS = {**ON_SPLIT_CPU, **IN_BACKGROUND}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.background(_background_job(name)))
+                                  if name in IN_A_PROCESS else name for name in WITH_EXAMPLES])
 def test_docstring_examples(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
-    failures = background.result(f"doctests:{name}") if name in ON_SPLIT_CPU else _failures(name)
+    failures = background.result(f"doctests:{name}") if name in IN_A_PROCESS else _failures(name)
     assert not failures, "".join(failures)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests import background
 from gpflow_integration import compare
 from gpflow_integration.compare import main, render
+from tests import background
 
 REPO = Path(__file__).resolve().parents[2]
 

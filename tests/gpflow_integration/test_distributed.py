@@ -16,9 +16,9 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 import tfmem
-from tests import background
 from gpflow_integration import (DataParallelSGPR, DataParallelSVGP, collapsed_elbo, sgpr_statistics,
                                 shard_rows)
+from tests import background
 from tfmem.distribute import split_cpu
 from tfmem.testing import run_scenarios, scenario_outcome
 

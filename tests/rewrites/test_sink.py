@@ -229,7 +229,7 @@ def test_other_gradients_through_loops_collect_and_equal_stock(rng, program):
         np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12 * float(np.max(np.abs(expected))))
 
 
-@settings(max_examples=5, deadline=None, derandomize=True)
+@settings(max_examples=3, deadline=None, derandomize=True)
 @given(n=st.integers(200, 700), steps=st.integers(1, 5), jitter=st.sampled_from([0.5, 2.0]),
        share=st.sampled_from([2, 3, 5]), dtype=st.sampled_from([tf.float32, tf.float64]))
 def test_property_gradients_through_sunk_loops_equal_stock(n, steps, jitter, share, dtype):
@@ -245,7 +245,7 @@ def test_property_gradients_through_sunk_loops_equal_stock(n, steps, jitter, sha
         np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * float(tf.reduce_max(tf.abs(expected))))
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(n=st.integers(250, 420), steps=st.integers(1, 6), jitter=st.sampled_from([0.5, 2.0]),
        share=st.sampled_from([2, 3, 5]), dtype=st.sampled_from([tf.float32, tf.float64]))
 def test_property_sunk_conjugate_gradients_equal_stock(n, steps, jitter, share, dtype):

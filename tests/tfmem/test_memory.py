@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from tests import background
 from tfmem import Graph, TensorRef, estimate_memory, run_isolated, xla_planned_bytes
 from tfmem.memory import while_passthrough
 
@@ -166,12 +167,19 @@ def test_the_report_shows_xlas_peak_beside_the_estimate() -> None:
     assert "  XLA's peak:  peak " in text and "block)" in text
 
 
+@background.job("allocate_under_limits")
+def allocate_under_limits() -> tuple[tfmem.IsolatedResult, tfmem.IsolatedResult]:
+    """16 MiB under a 256 MiB limit, and 256 MiB under 64 MiB, each in its own process."""
+    return (run_isolated("tfmem.examples:allocate", 16, memory_limit_mb=256, timeout=120),
+            run_isolated("tfmem.examples:allocate", 256, memory_limit_mb=64, timeout=120))
+
+
+@pytest.mark.background("allocate_under_limits")
 def test_isolated_run_reports_peak_and_real_oom() -> None:
-    ok = run_isolated("tfmem.examples:allocate", 16, memory_limit_mb=256, timeout=120)
+    ok, oom = background.result("allocate_under_limits")
     assert ok.status == "ok", ok.error
     assert ok.value == pytest.approx(16 * 2**20 / 4)
     assert ok.peak_bytes >= 16 * 2**20
-    oom = run_isolated("tfmem.examples:allocate", 256, memory_limit_mb=64, timeout=120)
     assert oom.status == "oom", oom.error
     assert "ResourceExhausted" in oom.error or "OOM" in oom.error
 
