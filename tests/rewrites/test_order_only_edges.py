@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from benchmarks.corpus.trial import SPREAD_FACTOR
 from rewrites.order_only_edges import DropOrderOnlyControlEdges
 from tfmem.capture import capture, import_as_function
 from tfmem.config import Config
@@ -94,8 +95,11 @@ def test_kernels_whose_gradients_wait_on_control_edges_now_split(kernel: str, rn
     assert report.splits, str(report)
     assert not [r for r in report.rejected if "control" in r.reason], str(report)
     want = tf.function(step, jit_compile=True)()
-    for got, ref in zip(tf.nest.flatten(wrapped()), tf.nest.flatten(want)):
-        got, ref = got.numpy(), ref.numpy()
-        # The corpus's GPflow tolerance: a gradient that nearly cancels (Cosine's Z) keeps the
-        # loss's rounding, reassociated by the chunks.
-        assert np.max(np.abs(got - ref)) <= 1e-6 * np.max(np.abs(ref)), (got, ref)
+    plain = tf.function(step)()  # stock TensorFlow: how far stock's own two ways differ
+    for got, ref, other in zip(tf.nest.flatten(wrapped()), tf.nest.flatten(want), tf.nest.flatten(plain)):
+        got, ref, other = got.numpy(), ref.numpy(), other.numpy()
+        # The corpus's GPflow tolerance, or within SPREAD_FACTOR of stock's own spread: a gradient
+        # that nearly cancels (Cosine's Z, 5.7e-6 beside a loss of 2.9e3) keeps the loss's
+        # rounding, reassociated by the chunks as by TensorFlow against XLA (8.7e-12 apart).
+        tolerance = max(1e-6 * np.max(np.abs(ref)), SPREAD_FACTOR * np.max(np.abs(other - ref)))
+        assert np.max(np.abs(got - ref)) <= tolerance, (got, ref, other)
