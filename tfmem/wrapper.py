@@ -85,8 +85,8 @@ class TfmemFunction:
         self._scope = re.sub(r"[^A-Za-z0-9_.]", "_", self._name)
         self._passes = passes
         self._lint = lint
-        # Stock tf.function: traces for us (same retracing rules; tracing needs no XLA) and runs
-        # the program as written in graph mode.
+        # Stock tf.function: traces for us without XLA (same retracing rules; `_tracer`) and
+        # runs the program as written in graph mode.
         self.original = tf.function(fn, input_signature=input_signature)
         self._original_under_xla: Any = None  # stock tf.function(jit_compile=True), made when first needed
         self._signatures: dict[tuple[int, Config], _Signature] = {}
@@ -119,7 +119,7 @@ class TfmemFunction:
             UnsupportedFunction: when tfmem cannot take this function apart (e.g. a
                 dynamic shape); the wrapped function itself would fall back instead.
         """
-        return self._trace(self.original.get_concrete_function(*args, **kwargs))
+        return self._trace(self._tracer(self.config).get_concrete_function(*args, **kwargs))
 
     def _trace(self, concrete: Any, trace_seconds: float = 0.0) -> Traced:
         start = time.perf_counter()
@@ -219,6 +219,14 @@ class TfmemFunction:
             self._original_under_xla = tf.function(self.python_function, jit_compile=True,
                                                    input_signature=self._input_signature)
         return self._original_under_xla
+
+    def _tracer(self, config: Config) -> Any:
+        """The stock `tf.function` whose trace is rewritten: under XLA when the config compiles
+        with XLA, as stock `jit_compile=True` traces. The graph differs there: while_v2 gives
+        a loop's gradient accumulators (for a tape around an autograph `for i in tf.range(3)`)
+        the loop's trip count as their size in XLA's context only, and XLA refuses lists
+        without one."""
+        return self._under_xla() if config.jit_compile else self.original
 
     def _as_written(self, signature: _Signature) -> Any:
         """The stock `tf.function` that runs `signature`'s program as written: with the config's
@@ -345,7 +353,7 @@ class TfmemFunction:
             return self._not_nestable[replica.strategy]
         start = time.perf_counter()
         try:
-            concrete = self.original.get_concrete_function(*args, **kwargs)
+            concrete = self._tracer(config).get_concrete_function(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - e.g. a merge_call inside a nested function
             if replica is None:
                 raise  # the user's own error: tf.function would raise it too
