@@ -76,6 +76,29 @@ def copy_node(original: node_def_pb2.NodeDef, name: str, *, keep_shapes: bool = 
     return node
 
 
+def _colocated_elsewhere(node: node_def_pb2.NodeDef, names: set[str]) -> bool:
+    """Whether `node` asks to be colocated (`_class: loc:@X`) with a node `names` lacks."""
+    if "_class" not in node.attr:
+        return False
+    return any(entry.startswith(b"loc:@") and entry[5:].decode() not in names
+               for entry in node.attr["_class"].list.s)
+
+
+def _without_missing_colocation(node: node_def_pb2.NodeDef, names: set[str]) -> node_def_pb2.NodeDef:
+    """A copy of `node` colocated only with nodes of `names`: a pass that removed a node
+    (a no-op Reshape, say) leaves its readers' colocation naming it, and the importer
+    refuses a colocation with an unknown node (`tape.jacobian`'s pfor loop at n=512)."""
+    copy = node_def_pb2.NodeDef()
+    copy.CopyFrom(node)
+    kept = [e for e in node.attr["_class"].list.s if not (e.startswith(b"loc:@") and e[5:].decode() not in names)]
+    if kept:
+        del copy.attr["_class"].list.s[:]
+        copy.attr["_class"].list.s.extend(kept)
+    else:
+        del copy.attr["_class"]
+    return copy
+
+
 def const_node(name: str, value: Any) -> node_def_pb2.NodeDef:
     value = np.asarray(value)
     node = node_def_pb2.NodeDef(name=name, op="Const")
@@ -778,6 +801,7 @@ class Graph:
                 arguments without importing their placeholders, which XLA cannot run).
         """
         drop = set(drop)
+        kept_nodes = set(self._nodes) - drop
         graph_def = graph_pb2.GraphDef()
         for name in self.topological_order():
             if name in drop:
@@ -788,6 +812,8 @@ class Graph:
                 kept = [text for text in node.input if not (text.startswith("^") and text[1:] in drop)]
                 del node.input[:]
                 node.input.extend(kept)
+            if _colocated_elsewhere(node, kept_nodes):
+                node = _without_missing_colocation(node, kept_nodes)
             graph_def.node.append(node)
         graph_def.library.CopyFrom(self.library)
         graph_def.versions.CopyFrom(self.versions)

@@ -220,6 +220,18 @@ class TfmemFunction:
                                                    input_signature=self._input_signature)
         return self._original_under_xla
 
+    def experimental_get_tracing_count(self) -> int:
+        """How many times the Python function was traced, as `tf.function`'s method of this name.
+
+        Example:
+            >>> f = tfmem.function(lambda x: 2.0 * x)
+            >>> _ = f(tf.ones([3])); _ = f(tf.ones([3])); _ = f(tf.ones([4]))
+            >>> f.experimental_get_tracing_count()
+            2
+        """
+        return sum(f.experimental_get_tracing_count() for f in (self.original, self._original_under_xla)
+                   if f is not None)
+
     def _tracer(self, config: Config) -> Any:
         """The stock `tf.function` whose trace is rewritten: under XLA when the config compiles
         with XLA, as stock `jit_compile=True` traces. The graph differs there: while_v2 gives

@@ -41,7 +41,7 @@ def test_each_method_is_traced_once_for_many_batches(regression_data, rng):
     predictor = BatchedPredictor(model, batch_size=10, config={"strict": True})
     predictor.predict_y(rng.standard_normal((95, 3)))  # 10 batches, the last one padded
     function = predictor.functions["predict_y"]
-    assert function.original.experimental_get_tracing_count() == 1
+    assert function.experimental_get_tracing_count() == 1
 
 def test_stock_compiler_for_baselines(regression_data, rng):
     model = make_model("sgpr", regression_data)

@@ -189,3 +189,25 @@ def test_views_and_returned_tensors() -> None:
     # transpose, so it is not.
     assert graph.is_returned(TensorRef(transposes[(4, 1, 4)]))
     assert not graph.is_returned(TensorRef(product.name))
+
+
+def test_a_colocation_with_a_node_no_longer_in_the_graph_is_dropped_on_export() -> None:
+    """A pass that removes a node (a no-op Reshape) leaves its readers' `_class: loc:@…`
+    naming it, and the importer refuses a colocation with an unknown node."""
+    def fn(x):
+        y = tf.reshape(x, [4])
+        with tf.compat.v1.colocate_with(y.op):
+            z = tf.identity(x) * 2.0
+        return z + y
+
+    graph, _ = traced(fn, tf.TensorSpec([4], tf.float32))
+    reshape = next(graph.find("Reshape")).name
+    colocated = [n.name for n in graph.to_graph_def().node if f"loc:@{reshape}".encode() in n.attr["_class"].list.s]
+    assert colocated, "the trace has no colocation to test"
+    exported = graph.to_graph_def(drop={reshape})
+    for node in exported.node:
+        assert not any(entry == f"loc:@{reshape}".encode() for entry in node.attr["_class"].list.s), node
+    names = {n.name for n in exported.node}
+    with tf.Graph().as_default():  # imports: the dropped node's tensor is fed, nothing names it
+        tf.graph_util.import_graph_def(exported, input_map={f"{reshape}:0": tf.zeros([4])}, name="")
+        assert names <= {op.name for op in tf.compat.v1.get_default_graph().get_operations()}

@@ -135,7 +135,7 @@ def test_one_rewrite_per_signature_cached(rng: np.random.Generator) -> None:
     assert len(wrapped._signatures) == 3
     # tfmem traces as stock tf.function(jit_compile=True) does (`_tracer`), and verify's
     # reference is that same function: no trace more.
-    assert wrapped._under_xla().experimental_get_tracing_count() == 2
+    assert wrapped.experimental_get_tracing_count() == 2
     assert len(calls) == 2
 
 
