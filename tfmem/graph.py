@@ -76,25 +76,20 @@ def copy_node(original: node_def_pb2.NodeDef, name: str, *, keep_shapes: bool = 
     return node
 
 
-def _colocated_elsewhere(node: node_def_pb2.NodeDef, names: set[str]) -> bool:
-    """Whether `node` asks to be colocated (`_class: loc:@X`) with a node `names` lacks."""
-    if "_class" not in node.attr:
-        return False
-    return any(entry.startswith(b"loc:@") and entry[5:].decode() not in names
-               for entry in node.attr["_class"].list.s)
-
-
-def _without_missing_colocation(node: node_def_pb2.NodeDef, names: set[str]) -> node_def_pb2.NodeDef:
-    """A copy of `node` colocated only with nodes of `names`: a pass that removed a node
-    (a no-op Reshape, say) leaves its readers' colocation naming it, and the importer
-    refuses a colocation with an unknown node (`tape.jacobian`'s pfor loop at n=512)."""
-    copy = node_def_pb2.NodeDef()
-    copy.CopyFrom(node)
-    kept = [e for e in node.attr["_class"].list.s if not (e.startswith(b"loc:@") and e[5:].decode() not in names)]
-    if kept:
-        del copy.attr["_class"].list.s[:]
-        copy.attr["_class"].list.s.extend(kept)
-    else:
+def _colocated_within(node: node_def_pb2.NodeDef, names: set[str]) -> node_def_pb2.NodeDef:
+    """`node`, or a copy of it colocated (`_class: loc:@X`) only with nodes of `names`: a pass
+    that removed a node (a no-op Reshape, say) leaves its readers' colocation naming it, and
+    the importer refuses a colocation with an unknown node (`tape.jacobian`'s pfor loop at n=512)."""
+    if "_class" not in node.attr:  # (reading a missing map key would add it)
+        return node
+    entries = node.attr["_class"].list.s
+    kept = [e for e in entries if not (e.startswith(b"loc:@") and e[5:].decode() not in names)]
+    if len(kept) == len(entries):
+        return node
+    copy = copy_node(node, node.name, keep_shapes=True)
+    del copy.attr["_class"].list.s[:]
+    copy.attr["_class"].list.s.extend(kept)
+    if not kept:
         del copy.attr["_class"]
     return copy
 
@@ -812,9 +807,7 @@ class Graph:
                 kept = [text for text in node.input if not (text.startswith("^") and text[1:] in drop)]
                 del node.input[:]
                 node.input.extend(kept)
-            if _colocated_elsewhere(node, kept_nodes):
-                node = _without_missing_colocation(node, kept_nodes)
-            graph_def.node.append(node)
+            graph_def.node.append(_colocated_within(node, kept_nodes))
         graph_def.library.CopyFrom(self.library)
         graph_def.versions.CopyFrom(self.versions)
         return graph_def
