@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
 from tfmem.context import PassContext
@@ -116,7 +117,9 @@ class _Shielded:
     - shape queries of statically shaped tensors are constants already (what Grappler
       would have folded them into, without its needing the shapes below);
     - large computable nodes are placeholders (opaque: Grappler cannot fold them);
-    - large placeholders, and those stand-ins, have unknown dimensions (tiny feeds).
+    - large placeholders, and those stand-ins, have unknown dimensions (tiny feeds);
+    - floating-point constants added to computed values are stand-ins too, one per read
+      (`_shield_additive_constants`): Grappler would reassociate around them.
 
     `restore` puts the hidden nodes (and whatever of their constant inputs Grappler
     dropped) and the original placeholders back.
@@ -126,8 +129,13 @@ class _Shielded:
     originals: Graph
     hidden: tuple[str, ...] = ()
     relaxed: tuple[str, ...] = ()
+    # Constants made opaque at one read each, by the name of their stand-in.
+    operands: dict[str, node_def_pb2.NodeDef] = dataclasses.field(default_factory=dict)
 
     def restore(self, cleaned: Graph) -> None:
+        for name, constant in self.operands.items():
+            if name in cleaned:
+                cleaned.replace_node(constant)
         missing: list[str] = []
         for name in self.hidden + self.relaxed:
             if name in cleaned:  # still read: the stand-in becomes the node again
@@ -139,6 +147,9 @@ class _Shielded:
                 cleaned.add_node(self.originals.node(name))
                 missing.extend(self.originals.producers(name))
 
+
+# Sums and differences, whose constant operands Grappler's constant folding moves elsewhere.
+_ADDITIVE_OPS = frozenset({"Add", "AddV2", "Sub", "BiasAdd"})
 
 _SHAPE_QUERIES = {"Shape": lambda shape: shape, "Size": lambda shape: int(np.prod(shape)),
                   "Rank": lambda shape: len(shape)}
@@ -168,7 +179,41 @@ def _shield_large_constants(graph: Graph) -> _Shielded:
             hidden += [node.name] if large and node.op != "Const" else []
     for name in hidden + relaxed:
         shielded.replace_node(placeholder_like(shielded, name, unknown_dims=True))
-    return _Shielded(shielded, graph, tuple(hidden), tuple(relaxed))
+    operands = _shield_additive_constants(shielded, computable)
+    return _Shielded(shielded, graph, tuple(hidden), tuple(relaxed), operands)
+
+
+def _shield_additive_constants(shielded: Graph, computable: set[str]) -> dict[str, node_def_pb2.NodeDef]:
+    """Makes each floating-point constant that a sum or difference adds to a computed value
+    opaque to Grappler, at that read only; returns the constants to put back, by stand-in.
+
+    Grappler's constant folding reassociates around such a constant ("push-down": `(x - y)
+    + c` → `x + (c - y)`), which real arithmetic allows and IEEE arithmetic does not: a
+    `‖xᵢ − xⱼ + 1e-9‖` guard inside a distance lost its 1e-9 in float32, and its gradient was
+    NaN where stock XLA, which keeps the program's order, has none. Each read gets its own
+    stand-in, so the same constant still folds where it is read otherwise (the exponent
+    `2 - 1` of a `Pow` gradient, which the rewrites read as a constant). Products are left
+    alone: reordered, they differ by rounding only.
+    """
+    operands: dict[str, node_def_pb2.NodeDef] = {}
+    for node in list(shielded.nodes):
+        if node.op not in _ADDITIVE_OPS or node.name in computable:
+            continue
+        for position, ref in enumerate(shielded.inputs(node.name)):
+            producer = shielded.node(ref.node)
+            dtype = shielded.spec(ref).dtype
+            if producer.op != "Const" or not (dtype.is_floating or dtype.is_complex):
+                continue
+            stand_in = shielded.unique_name(f"{ref.node}/tfmem_additive_operand")
+            constant = node_def_pb2.NodeDef()
+            constant.CopyFrom(producer)
+            constant.name = stand_in
+            del constant.input[:]  # its control inputs (if any) stay on the original
+            operands[stand_in] = constant
+            shielded.add_node(constant)
+            shielded.replace_node(placeholder_like(shielded, stand_in))
+            shielded.set_input(node.name, position, TensorRef(stand_in))
+    return operands
 
 
 # --- no-op folds Grappler leaves behind -------------------------------------------------

@@ -15,7 +15,8 @@ slicing, `tf.reshape`, GPflow's `difference_matrix`, or plain broadcasting again
 [m, d]. The check then follows every [..., n, m, d] tensor computed from it and
 represents each symbolically as
 
-    T[i, j, k] = a_ij·x_ik + b_ij·y_jk + c_ij          (linear in the difference), or
+    T[i, j, k] = a_ij·x_ik + b_ij·y_jk + c_ij          (linear in the difference; c_ij only
+                                                        where a and b are 0: see below), or
     T[i, j, k] = s_ij·P[i, j, k]·Q[i, j, k]            (a product of two linear ones),
 
 where the coefficients a, b, c, s are [..., n, m] tensors or scalars. Negation,
@@ -30,6 +31,11 @@ Conditions (each failure is a recorded rejection with its reason):
 - static shapes; floating dtypes;
 - every tensor derived from the difference is representable as above (e.g. not `Sqrt`
   or `Exp` of the difference, not multiplied by a per-feature [d] tensor);
+- the difference is not shifted (x − y + c with c constant along the features): such a
+  shift guards against zero distances (`tf.norm(x[:, None] − y[None] + 1e-9, axis=-1)`,
+  whose gradient is finite where points coincide), and the expansion's cancellation
+  error, about ε·(‖x‖² + ‖y‖²), swamps the d·c² it leaves there (0 again, and a NaN
+  gradient through the square root; found by a program nobody here wrote);
 - every way out of the region is a `Sum`/`Mean` that reduces the feature axis, m or n
   (or a `Shape`);
 - self-contained: no tensor of the region is a graph output or read by anything
@@ -401,6 +407,13 @@ class _DistanceRegion:
         total = operands[0]
         for other in operands[1:]:
             total = total.plus(other)  # type: ignore[union-attr]
+        if not total.is_broadcast and total.c is not None:  # type: ignore[union-attr]
+            # x − y + c: the shift is a guard against zero distances (`‖xᵢ − xⱼ + 1e-9‖`, whose
+            # gradient is finite where xᵢ = xⱼ). The expansion's cancellation error, about
+            # ε·(‖x‖² + ‖y‖²), swamps d·c²: the distance came out 0 again, and the gradient of
+            # its square root NaN (float32, 300 points: 6,528 NaN where stock XLA had none).
+            return (f"{ref} shifts the pairwise difference by a term constant along the features (x − y + c, "
+                    "a guard against zero distances): the expanded form would lose it to cancellation")
         return total
 
     def _sub(self, ref: TensorRef, operands: list[_Form]) -> _Form | str:

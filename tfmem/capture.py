@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from typing import Any
 
@@ -159,7 +160,10 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
     structure = captured.concrete.structured_outputs
 
     def body(*args: Any, **kwargs: Any) -> Any:
-        arg_tensors = list(tf.compat.v1.get_default_graph().inputs)
+        this = tf.compat.v1.get_default_graph()
+        # A variable argument is listed by its (eager) handle: its placeholder is its capture's.
+        placeholder_of = {id(external): internal for external, internal in this.captures}
+        arg_tensors = [placeholder_of.get(id(t), t) for t in this.inputs]
         if len(arg_tensors) != len(captured.arg_inputs):
             raise UnsupportedFunction(
                 f"re-tracing gave {len(arg_tensors)} argument tensors, the original had "
@@ -184,9 +188,31 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
         return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
 
     body.__name__ = name
+    # Bound as the original bound its call: by `body`'s own `(*args, **kwargs)` TensorFlow
+    # would order the keywords of a call as the call gives them, and `f(x, temp=t, z=z)`
+    # for `fn(x, z, temp)` gave `temp` the original's `z` (a wrong result, silently).
+    body.__signature__ = traced_signature(captured.concrete.function_type)  # type: ignore[attr-defined]
     body.library = library  # type: ignore[attr-defined]  # registered while the tf.function (holding body) lives
     return tf.function(body, jit_compile=jit_compile, input_signature=input_signature,
                        autograph=False)
+
+
+def traced_signature(function_type: Any) -> inspect.Signature:
+    """The Python signature of a traced function: its parameters' names and kinds, in order.
+
+    A parameter traced as a Python value (a literal of `function_type`) takes it as its
+    default, as the call may have left it to its default; the others default to None,
+    which only keeps Python's rule (no default before none) out of the way: the call was
+    traced as the original function, which bound every tensor.
+
+    Example:
+        >>> c = tf.function(lambda x, s=2.0, y=None: x * s + y).get_concrete_function(a, y=b)
+        >>> str(traced_signature(c.function_type))
+        '(x=None, s=2.0, y=None)'
+    """
+    return inspect.Signature([
+        inspect.Parameter(p.name, p.kind, default=getattr(p.type_constraint, "value", None))
+        for p in function_type.parameters.values()])
 
 
 def _register_library(library: function_pb2.FunctionDefLibrary) -> list[Any]:

@@ -63,6 +63,28 @@ def test_results_unchanged_and_placeholders_and_outputs_preserved(rng):
     np.testing.assert_allclose(got, noisy(tf.constant(x), tf.constant(y)), rtol=1e-6)
 
 
+def reassociable(x, y):
+    """Arithmetic Grappler's constant folding reorders around its constants (real-number algebra)."""
+    return (x - y) + 1.0, 3.0 * (2.0 * x), (x + 1e-3) - y, 2.0 - (y + x), (x * 0.5) / 3.0
+
+
+def test_floating_point_arithmetic_keeps_the_programs_order(rng):
+    """Cleaned, the program computes what stock XLA computes, bit for bit: Grappler rewrote
+    `(x - y) + 1` as `x + (1 - y)` (0 where the program says 1 for x = y = 1e8 in float32;
+    a `+ 1e-9` guard inside a distance lost, and NaN gradients, in a program nobody here wrote)."""
+    captured = captured_of(reassociable, SPEC, SPEC)
+    after = PassManager([GrapplerCleanup()], lint=True).run(captured.to_graph(), PassContext(Config())).graph
+    x = rng.normal(size=(4, 3)).astype(np.float32) * 1e8
+    x[0] = 1e8
+    y = x.copy()
+    y[1:] += rng.normal(size=(3, 3)).astype(np.float32)
+    got = import_as_function(captured, after, jit_compile=True)(x, y)
+    want = tf.function(reassociable, jit_compile=True)(x, y)
+    assert float(got[0][0, 0]) == 1.0
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
 def test_variable_write_survives_cleanup_through_tfmem_function(rng):
     variable = tf.Variable(tf.zeros([3]))
 

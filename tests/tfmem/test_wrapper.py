@@ -212,6 +212,46 @@ def test_outer_tape_through_the_wrapper(rng: np.random.Generator) -> None:
     assert backward._signatures and all(s.compiled is not None for s in backward._signatures.values())
 
 
+@pytest.mark.parametrize("call", ["in order", "keywords reordered", "defaults left out", "all by keyword"])
+def test_keyword_arguments_reach_their_own_parameters(call: str) -> None:
+    """Each argument is bound to its parameter by name, as tf.function binds it, however the call
+    orders its keywords and whichever defaults it leaves out (found by a program nobody here wrote:
+    `f(x, temp=t, z=z)` for `fn(x, z, temp)` gave `temp` the value of `z`, silently)."""
+    def fn(x, z, s=2.0, *, temp, alpha=None):
+        extra = 0.0 if alpha is None else 7.0 * tf.reduce_sum(alpha)
+        return {"xz": tf.reduce_sum(x * z) * s, "temp": tf.reduce_sum(temp) * 3.0 + extra}
+
+    x, z, t, a = (tf.fill([4, 3], value) for value in (1.0, 2.0, 10.0, 5.0))
+    args, kwargs = {"in order": ((x, z, 2.0), {"temp": t, "alpha": a}),
+                    "keywords reordered": ((x,), {"alpha": a, "temp": t, "s": 0.5, "z": z}),
+                    "defaults left out": ((x,), {"temp": t, "z": z}),
+                    "all by keyword": ((), {"temp": t, "z": z, "x": x})}[call]
+    wrapped = tfmem.function(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfmem.TfmemWarning)  # no fallback: the rewritten program ran
+        got = wrapped(*args, **kwargs)
+    assert_same(got, tf.function(fn, jit_compile=True)(*args, **kwargs))
+
+
+def test_variables_passed_as_arguments_are_read_and_written() -> None:
+    """A variable argument runs in the rewritten program (it fell back: its graph input is the
+    variable's eager handle, its placeholder the capture's), and its updates reach it."""
+    def step(x, v, *, scale=1.0):
+        v.assign_add(x * scale)
+        return tf.reduce_sum(v * x)
+
+    def three_steps(function: Callable[..., Any], v: tf.Variable) -> list[float]:
+        return [float(function(x, v=v)) for _ in range(2)] + [float(function(v=v, x=x, scale=0.5))]
+
+    x = tf.fill([4, 3], 2.0)
+    v, stock_v = tf.Variable(tf.ones([4, 3])), tf.Variable(tf.ones([4, 3]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfmem.TfmemWarning)
+        out = three_steps(tfmem.function(step), v)
+    assert out == three_steps(tf.function(step, jit_compile=True), stock_v) == [72.0, 120.0, 144.0]
+    np.testing.assert_array_equal(v.numpy(), np.full([4, 3], 6.0))
+
+
 def test_outer_tape_with_nested_inputs_and_kwargs(rng: np.random.Generator) -> None:
     def fn(inputs, power=2):
         return {"out": tf.reduce_sum(inputs["a"] ** power) * tf.reduce_sum(inputs["b"])}
