@@ -129,14 +129,16 @@ class _Shielded:
     originals: Graph
     hidden: tuple[str, ...] = ()
     relaxed: tuple[str, ...] = ()
-    # Constants made opaque at one read each, by the name of their stand-in.
-    operands: dict[str, node_def_pb2.NodeDef] = dataclasses.field(default_factory=dict)
+    # Constants made opaque at one read each: the tensor each stand-in stands for.
+    operands: dict[str, TensorRef] = dataclasses.field(default_factory=dict)
 
     def restore(self, cleaned: Graph) -> None:
-        for name, constant in self.operands.items():
-            if name in cleaned:
-                cleaned.replace_node(constant)
         missing: list[str] = []
+        for name, tensor in self.operands.items():
+            if name in cleaned:  # read again from the constant, as computed before Grappler
+                cleaned.replace_all_uses(TensorRef(name), tensor)
+                cleaned.remove(name)
+                missing.append(tensor.node)
         for name in self.hidden + self.relaxed:
             if name in cleaned:  # still read: the stand-in becomes the node again
                 cleaned.replace_node(self.originals.node(name))
@@ -183,36 +185,37 @@ def _shield_large_constants(graph: Graph) -> _Shielded:
     return _Shielded(shielded, graph, tuple(hidden), tuple(relaxed), operands)
 
 
-def _shield_additive_constants(shielded: Graph, computable: set[str]) -> dict[str, node_def_pb2.NodeDef]:
+def _shield_additive_constants(shielded: Graph, computable: set[str]) -> dict[str, TensorRef]:
     """Makes each floating-point constant that a sum or difference adds to a computed value
-    opaque to Grappler, at that read only; returns the constants to put back, by stand-in.
+    opaque to Grappler, at that read only; returns the tensors to put back, by stand-in.
 
     Grappler's constant folding reassociates around such a constant ("push-down": `(x - y)
     + c` → `x + (c - y)`), which real arithmetic allows and IEEE arithmetic does not: a
     `‖xᵢ − xⱼ + 1e-9‖` guard inside a distance lost its 1e-9 in float32, and its gradient was
-    NaN where stock XLA, which keeps the program's order, has none. Each read gets its own
-    stand-in, so the same constant still folds where it is read otherwise (the exponent
-    `2 - 1` of a `Pow` gradient, which the rewrites read as a constant). Products are left
-    alone: reordered, they differ by rounding only.
+    NaN where stock XLA, which keeps the program's order, has none. A constant is anything
+    Grappler can fold to one (`tf.cast` of a float64 constant, as GPflow's
+    `to_default_float` makes). Each read gets its own stand-in, so the same constant still
+    folds where it is read otherwise (the exponent `2 - 1` of a `Pow` gradient, which the
+    rewrites read as a constant). Products are left alone: reordered, they differ by
+    rounding only.
     """
-    operands: dict[str, node_def_pb2.NodeDef] = {}
+    operands: dict[str, TensorRef] = {}
     for node in list(shielded.nodes):
         if node.op not in _ADDITIVE_OPS or node.name in computable:
             continue
         for position, ref in enumerate(shielded.inputs(node.name)):
-            producer = shielded.node(ref.node)
-            dtype = shielded.spec(ref).dtype
-            if producer.op != "Const" or not (dtype.is_floating or dtype.is_complex):
-                continue
+            spec = shielded.spec(ref)
+            if ref.node not in computable or shielded.node(ref.node).op == "Placeholder" \
+                    or not (spec.dtype.is_floating or spec.dtype.is_complex):
+                continue  # (a large constant is a Placeholder already: `_shield_large_constants`)
             stand_in = shielded.unique_name(f"{ref.node}/tfmem_additive_operand")
-            constant = node_def_pb2.NodeDef()
-            constant.CopyFrom(producer)
-            constant.name = stand_in
-            del constant.input[:]  # its control inputs (if any) stay on the original
-            operands[stand_in] = constant
-            shielded.add_node(constant)
-            shielded.replace_node(placeholder_like(shielded, stand_in))
+            placeholder = node_def_pb2.NodeDef(name=stand_in, op="Placeholder")
+            placeholder.attr["dtype"].type = spec.dtype.as_datatype_enum
+            placeholder.attr["shape"].shape.CopyFrom(spec.shape.as_proto())
+            placeholder.attr["_output_shapes"].list.shape.add().CopyFrom(spec.shape.as_proto())
+            shielded.add_node(placeholder)
             shielded.set_input(node.name, position, TensorRef(stand_in))
+            operands[stand_in] = ref
     return operands
 
 

@@ -183,6 +183,28 @@ def test_a_guarded_distance_keeps_its_guard_and_a_finite_gradient(rng):
     np.testing.assert_allclose(got[1].numpy(), want[1].numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_points_far_from_the_origin_keep_their_small_distances(rng):
+    """The expansion works about y's mean: ‖x‖² + ‖y‖² − 2·x·yᵀ then cancels the digits of the
+    points' spread, not of their offset. Float64 points 1e7 from the origin (coordinates in
+    metres, timestamps), found by a program nobody here wrote: the mean squared distance was
+    1.9e-4 off, and kNN distances on UTM-like data 6.4e-7; both now agree to rounding."""
+    def mean_distance_and_gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_mean(tf.reduce_sum((x[:, None] - x[None]) ** 2, -1))
+        return loss, tape.gradient(loss, x)
+
+    points = rng.normal(size=(200, 3)) + 1e7
+    x = tf.constant(points)
+    wrapped = TfmemFunction(mean_distance_and_gradient, passes=PASSES, config={"strict": True, "jit_compile": True})
+    assert [r.status for r in wrapped.report(x).records if r.rule == "ExpandSquaredDistance"] == ["fired"]
+    got, want = wrapped(x), tf.function(mean_distance_and_gradient, jit_compile=True)(x)
+    exact = np.mean(((points[:, None] - points[None]) ** 2).sum(-1))
+    np.testing.assert_allclose(float(want[0]), exact, rtol=1e-12)
+    np.testing.assert_allclose(float(got[0]), exact, rtol=1e-12)
+    np.testing.assert_allclose(got[1].numpy(), want[1].numpy(), rtol=1e-9, atol=1e-9 * np.abs(want[1]).max())
+
+
 def test_memory_estimate_goes_down(rng):
     fn = with_gradients(FORMS["expand_dims_square"])
     concrete = tf.function(fn).get_concrete_function(tf.TensorSpec([40, 8]), tf.TensorSpec([30, 8]))
