@@ -20,7 +20,6 @@ import inspect
 import itertools
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.framework import function as function_lib
@@ -150,9 +149,6 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
     outputs = [o.name for o in graph.outputs]
     placeholders = {n.name for n in graph.find("Placeholder")}
     used = {p for p in placeholders if graph.node_consumers(p)} | {o.node for o in graph.outputs}
-    captured_constants = {node for external, internal in captured.captures
-                          if (node := TensorRef.parse(internal).node) in graph and graph.node(node).op == "Const"
-                          and graph.node_consumers(node) and _holds(graph.constant_value(node), external)}
     # Mapped placeholders must not be imported: XLA has no kernel for Placeholder.
     stripped = graph.to_graph_def(drop=placeholders)
     # The functions the graph calls (loop bodies, branches) run from the eager context, where
@@ -178,9 +174,7 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
                 input_map[original] = tensor
         for external, internal in captured.captures:
             node = TensorRef.parse(internal).node
-            # A small captured tensor is a Const in the traced graph, but stock XLA gets it as an
-            # argument: as a literal XLA simplifies around it ((x + c) - c → x), as stock does not.
-            if node in used or node in captured_constants:
+            if node in used:
                 input_map[internal] = tf.identity(external)
         results = tf.graph_util.import_graph_def(
             stripped, input_map=input_map, return_elements=outputs + control_outputs, name=name)
@@ -201,15 +195,6 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
     body.library = library  # type: ignore[attr-defined]  # registered while the tf.function (holding body) lives
     return tf.function(body, jit_compile=jit_compile, input_signature=input_signature,
                        autograph=False)
-
-
-def _holds(value: Any, external: Any) -> bool:
-    """Whether a constant of the graph still holds the captured tensor's value (no pass changed it)."""
-    try:
-        held = np.asarray(external)
-    except (TypeError, ValueError):
-        return False
-    return value is not None and value.dtype == held.dtype and np.array_equal(value, held, equal_nan=held.dtype.kind in "fc")
 
 
 def traced_signature(function_type: Any) -> inspect.Signature:

@@ -252,22 +252,6 @@ def test_variables_passed_as_arguments_are_read_and_written() -> None:
     np.testing.assert_array_equal(v.numpy(), np.full([4, 3], 6.0))
 
 
-def test_a_captured_tensor_reaches_xla_as_an_argument_as_in_stock() -> None:
-    """A small tensor the function captures is a constant in the traced graph, but stock XLA gets
-    it as an argument: as a literal, XLA simplified `(x + c) - c` to `x` (8.0 where the program,
-    in float32, says 0.0 with c = 1e8; found by a program nobody here wrote)."""
-    big = tf.constant(1e8, tf.float64)
-
-    def offset(x):
-        c = tf.cast(big, tf.float32)
-        return (x + c) - c
-
-    x = tf.constant([8.0, 2.7, 0.4], tf.float32)
-    want = tf.function(offset, jit_compile=True)(x).numpy()
-    assert want.tolist() == [8.0, 0.0, 0.0]  # rounded to 1e8's float32 spacing, as written
-    np.testing.assert_array_equal(tfmem.function(offset)(x).numpy(), want)
-
-
 def test_outer_tape_with_nested_inputs_and_kwargs(rng: np.random.Generator) -> None:
     def fn(inputs, power=2):
         return {"out": tf.reduce_sum(inputs["a"] ** power) * tf.reduce_sum(inputs["b"])}
