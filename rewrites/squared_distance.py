@@ -52,7 +52,11 @@ Conditions (each failure is a recorded rejection with its reason):
 
 The squared form is clamped at 0 before anything reads it, so a `tf.sqrt` on top
 (a Euclidean distance) stays real where cancellation makes the expansion slightly
-negative.
+negative. Cancellation is kept to the points' spread: where every form is a difference
+(b = −a), x and y are taken about y's mean (exact: x − y = (x − μ) − (y − μ)), so points far
+from the origin keep their small distances; and distances of a set to itself leave the
+diagonal out of every closed form (there xᵢ − xᵢ is exactly 0, as the program computes it,
+where the expansion would cancel to rounding under weights as large as 1/√(d² + ε)).
 """
 from __future__ import annotations
 
@@ -65,10 +69,14 @@ import tensorflow as tf
 
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
+from rewrites.split.diagonals import diagonal_mask
 from tfmem.pattern import (Emitted, Match, OpBuilder, Pattern, PatternNode, RegionRule, outside_readers,
                            self_containment_reason)
 
 _Env = Mapping[TensorRef, tf.Tensor]
+
+# Ops that can only reshape a tensor when they keep its number of elements.
+_RESHAPING_OPS = frozenset({"ExpandDims", "Reshape", "StridedSlice", "Identity", "Squeeze"})
 
 # Up to this many features, XLA's fused naive forward distance is faster than the
 # expansion and no larger (see the module docstring for the measurements).
@@ -317,6 +325,16 @@ class _DistanceRegion:
                 f"features and one reduction over them, which XLA fuses without materialising "
                 f"{list(self.shape)}; the expansion would only add a GEMM and a pass over [n, m]")
 
+    def _source(self, ref: TensorRef) -> TensorRef:
+        """The tensor `ref` only reshapes (`x[:, None]`, `tf.expand_dims(x, 0)`, `tf.reshape`)."""
+        size = self.graph.spec(ref).shape.num_elements()
+        while self.graph.node(ref.node).op in _RESHAPING_OPS and ref.index == 0:
+            source = self.graph.inputs(ref.node)[0]
+            if self.graph.spec(source).shape.num_elements() != size:
+                break
+            ref = source
+        return ref
+
     def _padded(self, ref: TensorRef) -> list[int]:
         """The static shape of `ref`, left-padded with 1s to the pairwise tensor's rank."""
         shape = self.graph.spec(ref).shape.as_list()
@@ -509,6 +527,10 @@ class _DistanceRegion:
         shape, exits = self.shape, self.exits
         rows_padded, cols_padded = self._padded(self.rows), self._padded(self.cols)
         centred = all(e.form.difference for e in exits if e.shape_only is None)
+        # Distances of a set to itself: xᵢ − xᵢ is exactly 0, as the program computes it, so the
+        # diagonal of every closed form is left out instead of cancelling to rounding there (with
+        # a weight as large as 1/√(d² + 1e-8) on the diagonal, float32 gradients were 2e-3 off).
+        self_pairs = centred and shape[-3] == shape[-2] and self._source(self.rows) == self._source(self.cols)
 
         def build(*tensors: tf.Tensor) -> list[tf.Tensor]:
             env = dict(zip(refs, tensors))
@@ -520,7 +542,7 @@ class _DistanceRegion:
                 # distances 6.4e-7 off, now to rounding).
                 mean = tf.reduce_mean(tf.reshape(y, [-1, y.shape[-1]]), 0)
                 x, y = x - mean, y - mean
-            terms = _Terms(x, y, shape, env)
+            terms = _Terms(x, y, shape, env, self_pairs=self_pairs)
             return [terms.exit(e) for e in exits]
 
         new = self.graph.splice(build, refs, scope="ExpandSquaredDistance")
@@ -540,8 +562,11 @@ def _coefs(form: _Form) -> list[_Coef]:
 class _Terms:
     """Builds closed forms from x [..., n, d], y [..., m, d]; shared pieces are built once."""
 
-    def __init__(self, x: tf.Tensor, y: tf.Tensor, shape: tuple[int, ...], env: _Env) -> None:
+    def __init__(self, x: tf.Tensor, y: tf.Tensor, shape: tuple[int, ...], env: _Env, *,
+                 self_pairs: bool = False) -> None:
         self.x, self.y, self.shape, self.env = x, y, shape, env
+        # x is y, and every form a difference: each form is 0 where i = j (see `replace`).
+        self.self_pairs = self_pairs
         self.rank = len(shape)
         self._cache: dict[str, tf.Tensor] = {}
 
@@ -559,8 +584,10 @@ class _Terms:
         return tf.cast(coef.build(self.env), self.x.dtype)
 
     def full(self, coef: Coef) -> tf.Tensor:
-        """A non-scalar coefficient broadcast to [..., n, m], for matmuls and row/column sums."""
-        return tf.broadcast_to(self.value(coef), self.shape[:-1])
+        """A non-scalar coefficient broadcast to [..., n, m], for matmuls and row/column sums;
+        0 on the diagonal for self pairs (what it multiplies there, xᵢ − xᵢ, is 0)."""
+        full = tf.broadcast_to(self.value(coef), self.shape[:-1])
+        return _off_diagonal(full) if self.self_pairs else full
 
     @property
     def x_sum(self) -> tf.Tensor:  # [..., n, 1]
@@ -613,7 +640,8 @@ class _Terms:
         d = float(self.shape[-1])
         if isinstance(form, _Linear):
             a, b, c = (self.value(v) for v in (form.a, form.b, form.c))
-            return _sum_terms([(a, self.x_sum), (b, self.y_sum), (c, d)], self.shape[:-1], self.x.dtype)
+            total = _sum_terms([(a, self.x_sum), (b, self.y_sum), (c, d)], self.shape[:-1], self.x.dtype)
+            return _off_diagonal(total) if self.self_pairs else total
         p, q = form.p, form.q
         pa, pb, pc = (self.value(v) for v in (p.a, p.b, p.c))
         qa, qb, qc = (self.value(v) for v in (q.a, q.b, q.c))
@@ -624,6 +652,8 @@ class _Terms:
             (_plus(_prod(pb, qc), _prod(pc, qb)), self.y_sum)], self.shape[:-1], self.x.dtype)
         if form.square:  # a sum of squares: cancellation must not make it negative
             inner = tf.maximum(inner, tf.zeros([], inner.dtype))
+        if self.self_pairs:
+            inner = _off_diagonal(inner)
         s = self.value(form.s)
         return inner if s is None else s * inner
 
@@ -660,6 +690,13 @@ class _Terms:
             parts.append(self.value(form.c) * n if form.c.scalar is not None else
                          tf.linalg.matrix_transpose(tf.reduce_sum(self.full(form.c), -2, keepdims=True)))
         return _total(parts, self.shape[:-3] + self.shape[-2:], self.x.dtype)
+
+
+def _off_diagonal(matrix: tf.Tensor) -> tf.Tensor:
+    """`matrix` [..., n, n] with 0 on its diagonal: a select by the identity mask, which the
+    split stage cuts by rows (a `set_diag` has no split rule and kept a kernel matrix's
+    backward whole)."""
+    return tf.where(diagonal_mask(int(matrix.shape[-1])), tf.zeros([], matrix.dtype), matrix)
 
 
 def _prod(a: tf.Tensor | None, b: tf.Tensor | None) -> tf.Tensor | None:

@@ -49,8 +49,7 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
         n = int(shape[-1])
 
         def mask(n: int = n) -> tf.Tensor:
-            iota = tf.range(n)
-            return tf.equal(tf.expand_dims(iota, 1), tf.expand_dims(iota, 0))  # [n, n], broadcast in batches
+            return diagonal_mask(n)
 
         added = _added_to_diagonal(graph, matrix, inputs[1]) if node.op in _SET_DIAG_OPS else None
         if added is not None:  # set_diag(X, diag_part(X) + d): X + d·I, without X's diagonal read apart
@@ -66,6 +65,16 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
         lowered[TensorRef(node.name)] = new
         graph.prune()
     return lowered
+
+
+def diagonal_mask(n: int) -> tf.Tensor:
+    """The identity as a boolean mask, `iota_r == iota_c` [n, n] (it broadcasts over batches).
+
+    Selects by it are elementwise, so the split stage cuts them by rows; XLA fuses the iota
+    compare into its reader, so the mask itself is never stored.
+    """
+    iota = tf.range(n)
+    return tf.equal(tf.expand_dims(iota, 1), tf.expand_dims(iota, 0))
 
 
 def _added_to_diagonal(graph: Graph, matrix: TensorRef, diagonal: TensorRef) -> TensorRef | None:
