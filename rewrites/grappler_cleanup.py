@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
 from tfmem.context import PassContext
@@ -37,7 +36,7 @@ from tfmem.graph import Graph, GraphError, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule, RuleSet
 
-from rewrites.grappler_shapes import constant_like, infer_shapes, placeholder_like
+from rewrites.grappler_shapes import constant_like, infer_shapes, placeholder_like, placeholder_node
 from rewrites.splats import LARGE_TENSOR_BYTES
 
 logger = logging.getLogger(__name__)
@@ -207,9 +206,11 @@ def _shield_additive_constants(shielded: Graph, computable: set[str]) -> dict[st
     also through a cast (`tf.cast` of a float64 constant, as GPflow's `to_default_float`
     makes), which comes back folded, as Grappler would have left it (the rewrites read it as a
     constant, and a new constant: XLA plans more for GPflow's VGP when the program's own
-    constants are read there, 114.4 MiB against 105.3 at N=1,500). Each read gets its own stand-in, so the same constant still folds where it is
-    read otherwise (the exponent `2 - 1` of a `Pow` gradient). Products are left alone:
-    reordered, they differ by rounding only.
+    constants are read there, 114.4 MiB against 105.3 at N=1,500). Each read gets its own
+    stand-in, so the same constant still folds where it is read otherwise (the exponent
+    `2 - 1` of a `Pow` gradient). Products are left alone: a constant factor may be folded
+    into a neighbouring one (`(x·c)/c` → `x`), as stock TensorFlow does with a constant the
+    function makes itself; only an overflow or underflow the written order would hit differs.
     """
     operands: dict[str, np.ndarray] = {}
     for node in list(shielded.nodes):
@@ -223,11 +224,7 @@ def _shield_additive_constants(shielded: Graph, computable: set[str]) -> dict[st
             if value is None:
                 continue
             stand_in = shielded.unique_name(f"{ref.node}/tfmem_additive_operand")
-            placeholder = node_def_pb2.NodeDef(name=stand_in, op="Placeholder")
-            placeholder.attr["dtype"].type = spec.dtype.as_datatype_enum
-            placeholder.attr["shape"].shape.CopyFrom(spec.shape.as_proto())
-            placeholder.attr["_output_shapes"].list.shape.add().CopyFrom(spec.shape.as_proto())
-            shielded.add_node(placeholder)
+            shielded.add_node(placeholder_node(stand_in, tf.TensorSpec(spec.shape, spec.dtype)))
             shielded.set_input(node.name, position, TensorRef(stand_in))
             operands[stand_in] = value
     return operands

@@ -30,10 +30,15 @@ def placeholder_like(graph: Graph, name: str, *, unknown_dims: bool = False) -> 
     """
     (spec,) = graph.output_specs(name)
     shape = tf.TensorShape([None] * spec.shape.rank) if unknown_dims else spec.shape
+    return placeholder_node(name, tf.TensorSpec(shape, spec.dtype))
+
+
+def placeholder_node(name: str, spec: tf.TensorSpec) -> node_def_pb2.NodeDef:
+    """A `Placeholder` NodeDef named `name` of `spec`'s dtype and shape (also as `_output_shapes`)."""
     node = node_def_pb2.NodeDef(name=name, op="Placeholder")
     node.attr["dtype"].type = spec.dtype.as_datatype_enum
-    node.attr["shape"].shape.CopyFrom(shape.as_proto())
-    node.attr["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
+    node.attr["shape"].shape.CopyFrom(spec.shape.as_proto())
+    node.attr["_output_shapes"].list.shape.add().CopyFrom(spec.shape.as_proto())
     return node
 
 
