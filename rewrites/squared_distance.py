@@ -326,14 +326,37 @@ class _DistanceRegion:
                 f"{list(self.shape)}; the expansion would only add a GEMM and a pass over [n, m]")
 
     def _source(self, ref: TensorRef) -> TensorRef:
-        """The tensor `ref` only reshapes (`x[:, None]`, `tf.expand_dims(x, 0)`, `tf.reshape`)."""
+        """The tensor `ref` only reshapes (`x[:, None]`, `tf.expand_dims(x, 0)`, `tf.reshape`):
+        its elements in the same order (a strided slice only with unit strides, so `x[::-1]`
+        is not `x`)."""
         size = self.graph.spec(ref).shape.num_elements()
         while self.graph.node(ref.node).op in _RESHAPING_OPS and ref.index == 0:
+            if self.graph.node(ref.node).op == "StridedSlice":
+                strides = self.graph.constant_value(self.graph.inputs(ref.node)[3])
+                if strides is None or not np.all(np.asarray(strides) == 1):
+                    break
             source = self.graph.inputs(ref.node)[0]
             if self.graph.spec(source).shape.num_elements() != size:
                 break
             ref = source
         return ref
+
+    def _self_pairs(self) -> bool:
+        """Whether the pairs are of a set x [..., n, d] with itself, aligned: rows are
+        `x[..., :, None, :]` and columns `x[..., None, :, :]`, so (i, i) is xᵢ − xᵢ."""
+        shape = self.shape
+        source = self._source(self.rows)
+        if shape[-3] != shape[-2] or source != self._source(self.cols):
+            return False
+        dims = self.graph.spec(source).shape.as_list()
+        if len(dims) < 2 or None in dims:
+            return False
+
+        def padded(template: list[int]) -> list[int]:
+            return [1] * (len(shape) - len(template)) + template
+
+        return (self._padded(self.rows) == padded(dims[:-1] + [1] + dims[-1:])
+                and self._padded(self.cols) == padded(dims[:-2] + [1] + dims[-2:]))
 
     def _padded(self, ref: TensorRef) -> list[int]:
         """The static shape of `ref`, left-padded with 1s to the pairwise tensor's rank."""
@@ -530,7 +553,7 @@ class _DistanceRegion:
         # Distances of a set to itself: xᵢ − xᵢ is exactly 0, as the program computes it, so the
         # diagonal of every closed form is left out instead of cancelling to rounding there (with
         # a weight as large as 1/√(d² + 1e-8) on the diagonal, float32 gradients were 2e-3 off).
-        self_pairs = centred and shape[-3] == shape[-2] and self._source(self.rows) == self._source(self.cols)
+        self_pairs = centred and self._self_pairs()
 
         def build(*tensors: tf.Tensor) -> list[tf.Tensor]:
             env = dict(zip(refs, tensors))

@@ -227,6 +227,20 @@ def test_distances_of_a_set_to_itself_leave_the_diagonal_out(rng):
     assert error <= 10 * stock_error + 1e-6, (error, stock_error)
 
 
+def test_a_set_against_its_reversal_keeps_its_diagonal(rng):
+    """Only pairs (xᵢ, xᵢ) are exactly 0: against `x[::-1]` (a strided slice that keeps every
+    element of x) the diagonal holds real distances, and the closed forms must keep it."""
+    def reversed_pairs(x):
+        d2 = tf.reduce_sum((x[:, None, :] - x[::-1][None, :, :]) ** 2, -1)
+        return tf.reduce_sum(tf.exp(-d2)), d2
+
+    x = tf.constant(rng.normal(size=(60, 6)))
+    wrapped = TfmemFunction(reversed_pairs, passes=PASSES, config={"strict": True, "jit_compile": True})
+    assert [r.status for r in wrapped.report(x).records if r.rule == "ExpandSquaredDistance"] == ["fired"]
+    for got, want in zip(wrapped(x), tf.function(reversed_pairs, jit_compile=True)(x)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-9)
+
+
 def test_memory_estimate_goes_down(rng):
     fn = with_gradients(FORMS["expand_dims_square"])
     concrete = tf.function(fn).get_concrete_function(tf.TensorSpec([40, 8]), tf.TensorSpec([30, 8]))
