@@ -5,6 +5,8 @@ import gpflow
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rewrites.cleanup import ForwardIdentities
 from rewrites.grappler_cleanup import GrapplerCleanup
@@ -239,6 +241,59 @@ def test_a_set_against_its_reversal_keeps_its_diagonal(rng):
     assert [r.status for r in wrapped.report(x).records if r.rule == "ExpandSquaredDistance"] == ["fired"]
     for got, want in zip(wrapped(x), tf.function(reversed_pairs, jit_compile=True)(x)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-9)
+
+
+# What the rows x [n, d] are paired with: only "itself" (also through an identity or a
+# reshape) is a set against itself, whose diagonal is exactly 0.
+PARTNERS = {
+    "itself": lambda x, y: x,
+    "identity": lambda x, y: tf.identity(x),
+    "reshaped": lambda x, y: tf.reshape(tf.reshape(x, [-1]), x.shape),
+    "reversed_rows": lambda x, y: x[::-1],
+    "reversed_features": lambda x, y: x[:, ::-1],
+    "rolled_rows": lambda x, y: tf.concat([x[1:], x[:1]], 0),
+    "other_set": lambda x, y: y,
+}
+READERS = {
+    "gaussian": lambda d2: tf.exp(-0.5 * d2),
+    "guarded_distance": lambda d2: tf.exp(-tf.sqrt(d2 + 1e-6)),
+    "inverse_quadratic": lambda d2: 1.0 / (1.0 + d2),
+}
+
+
+@settings(deadline=None, max_examples=50, derandomize=True, database=None)
+@given(partner=st.sampled_from(sorted(PARTNERS)), reader=st.sampled_from(sorted(READERS)),
+       n=st.integers(2, 20), d=st.integers(1, 9), offset=st.sampled_from([0.0, 30.0]),
+       weighted=st.booleans(), gradient=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
+       seed=st.integers(0, 2**16))
+def test_rewritten_distance_programs_are_as_accurate_as_stock(partner, reader, n, d, offset, weighted,
+                                                               gradient, dtype, seed):
+    """Random pairwise-distance programs, rewritten, against the same program under stock XLA:
+    the error against float64 truth (the same inputs, computed in float64) is at most 10× stock's,
+    plus a floor of a few units of rounding of the largest value."""
+    def program(x, y, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            diff = x[:, None, :] - PARTNERS[partner](x, y)[None, :, :]
+            d2 = tf.reduce_sum(diff ** 2 * w if weighted else diff ** 2, -1)
+            k = READERS[reader](d2)
+            loss = tf.reduce_sum(k)
+        return (loss, k, tape.gradient(loss, x)) if gradient else (k,)
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)) + offset
+    y = rng.normal(size=(n + 3, d)) + offset
+    w = rng.uniform(0.5, 2.0, size=d)
+    args = [tf.constant(a.astype(dtype)) for a in (x, y, w)]
+    truth = tf.function(program, jit_compile=True)(*[tf.cast(a, tf.float64) for a in args])
+    stock = tf.function(program, jit_compile=True)(*args)
+    wrapped = TfmemFunction(program, passes=PASSES, config={"strict": True, "jit_compile": True})
+    floor = 1e-5 if dtype == np.float32 else 1e-12
+    for got, want, exact in zip(wrapped(*args), stock, truth):
+        scale = max(float(np.max(np.abs(exact.numpy()))), 1e-30)
+        stock_error = float(np.max(np.abs(want.numpy() - exact.numpy()))) / scale
+        error = float(np.max(np.abs(got.numpy() - exact.numpy()))) / scale
+        assert error <= 10 * stock_error + floor, (error, stock_error)
 
 
 def test_memory_estimate_goes_down(rng):
