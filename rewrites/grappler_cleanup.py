@@ -18,7 +18,7 @@ however the user spelled it.
 Conditions: if Grappler raises, drops a placeholder, an output or a kept node, changes
 an output's type, or its graph cannot be re-typed, the graph stays unchanged (no folds
 either) and the pass records "rejected" with the reason. The function library is
-carried over from the input as it was.
+carried over from the input as it was, with the functions Grappler specialised added.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import function_pb2
 from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
 
 from tfmem.context import PassContext
@@ -85,9 +86,14 @@ def run_grappler(graph: Graph, optimizers: Sequence[str] = GRAPPLER_OPTIMIZERS) 
         if node.name in graph and graph.node(node.name).op == node.op \
                 and "_output_shapes" in graph.node(node.name).attr:
             node.attr["_output_shapes"].CopyFrom(graph.node(node.name).attr["_output_shapes"])
-    optimized.library.CopyFrom(graph.library)  # Grappler may drop functions it thinks unused
+    # Grappler may drop functions it thinks unused, and adds the ones it specialises (the
+    # branches of a `tf.cond`'s gradient, "…_tfg_region_specialized_…"), which its nodes call.
+    specialised = function_pb2.FunctionDefLibrary()
+    specialised.CopyFrom(optimized.library)
+    optimized.library.CopyFrom(graph.library)
     optimized.versions.CopyFrom(graph.versions)
     cleaned = Graph(optimized, outputs=graph.outputs, keep=graph.keep)
+    cleaned.merge_library(specialised)
     shielded.restore(cleaned)
     infer_shapes(cleaned)
     problems = cleaned.lint()

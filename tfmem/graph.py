@@ -198,6 +198,23 @@ def rename_functions(graph_def: graph_pb2.GraphDef, names: Mapping[str, str]) ->
         gradient.gradient_func = names.get(gradient.gradient_func, gradient.gradient_func)
 
 
+def called_functions(node: node_def_pb2.NodeDef) -> list[str]:
+    """The functions `node` names in its `func` attrs (a While's `cond` and `body`, an If's
+    branches, a call's `f`, also nested in lists and in function-valued attrs' own attrs)."""
+    names: list[str] = []
+
+    def visit(value: attr_value_pb2.AttrValue) -> None:
+        kind = value.WhichOneof("value")
+        for function in [value.func] if kind == "func" else list(value.list.func) if kind == "list" else []:
+            names.append(function.name)
+            for nested in function.attr.values():
+                visit(nested)
+
+    for value in node.attr.values():
+        visit(value)
+    return names
+
+
 def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:
     data: list[TensorRef] = []
     control: list[str] = []
@@ -778,6 +795,14 @@ class Graph:
             for ref in self.inputs(name):
                 if ref.index >= len(self.output_specs(ref.node)):
                     problems.append(f"node {name!r} reads {ref}, past {ref.node!r}'s outputs")
+        defined = {function.signature.name for function in self.library.function}
+        calls = [(f"node {name!r}", node) for name, node in self._nodes.items()]
+        calls += [(f"function {function.signature.name!r}'s node {node.name!r}", node)
+                  for function in self.library.function for node in function.node_def]
+        for where, node in calls:
+            for called in called_functions(node):
+                if called not in defined and op_def_registry.get(called) is None:
+                    problems.append(f"{where} calls {called!r}, which the library does not define")
         return problems
 
     def check(self) -> None:
