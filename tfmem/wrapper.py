@@ -441,13 +441,14 @@ class TfmemFunction:
 
     def _cannot_nest(self, replica: Replica, config: Config, err: Exception) -> _Signature:
         """The signature of a function that runs inline in `replica`'s strategy: TF cannot trace it there."""
-        reason = (f"it cannot be traced as a nested function inside {replica.strategy}.run "
-                  f"({type(err).__name__}: {first_line(err)}); it runs inline, unchanged")
+        cause = (f"it cannot be traced as a nested function inside {replica.strategy}.run "
+                 f"({type(err).__name__}: {first_line(err)})")
+        reason = f"{cause}; it runs inline, unchanged"
         report = Report(self._name, "(...)", config, fallback_reason=reason, replica=replica)
-        message = f"tfmem: running {self._name}{report.where} unchanged: {reason}"
-        if config.strict:
-            raise TfmemError(message) from err
-        warn(message)
+        if config.strict:  # it raises: nothing runs inline
+            raise TfmemError(f"tfmem: cannot run {self._name}{report.where} rewritten (strict=True, so it does "
+                             f"not run inline either): {cause}") from err
+        warn(f"tfmem: running {self._name}{report.where} unchanged: {reason}")
         signature = _Signature(concrete=None, report=report, inline=True)
         self._not_nestable[replica.strategy] = signature
         return signature
@@ -479,10 +480,11 @@ class TfmemFunction:
         runs = _runs_as_written(signature.report.config, signature.xla_refused)
         signature.report = signature.report.fall_back(reason, runs)
         signature.compiled = None
-        message = f"tfmem: running {self._name}{signature.report.signature}{signature.report.where} {runs}: {reason}"
-        if signature.report.config.strict:
-            raise TfmemError(message) from cause
-        warn(message)
+        named = f"{self._name}{signature.report.signature}{signature.report.where}"
+        if signature.report.config.strict:  # it raises: nothing runs, unchanged or otherwise
+            raise TfmemError(f"tfmem: cannot run {named} rewritten (strict=True, so it does not run "
+                             f"unchanged either): {reason}") from cause
+        warn(f"tfmem: running {named} {runs}: {reason}")
 
     # --- inspection ---------------------------------------------------------------
 

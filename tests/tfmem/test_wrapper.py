@@ -313,8 +313,10 @@ def test_dynamic_batch_dimension_falls_back_with_warning(rng: np.random.Generato
 def test_strict_mode_raises_instead_of_falling_back() -> None:
     wrapped = tfmem.function(_elementwise, config=Config(passes=[], strict=True),
                              input_signature=[tf.TensorSpec([None], tf.float32)])
-    with pytest.raises(tfmem.TfmemError, match="dynamic shape"):
+    with pytest.raises(tfmem.TfmemError, match="dynamic shape") as raised:
         wrapped(tf.ones([3]))
+    # It says what happens: nothing runs (the fallback's "running … unchanged" would not be true).
+    assert "cannot run _elementwise" in str(raised.value) and "running" not in str(raised.value)
 
 
 class _BrokenPass(GraphPass):
