@@ -484,7 +484,7 @@ class TfmemFunction:
         if signature.report.config.strict:  # it raises: nothing runs, unchanged or otherwise
             raise TfmemError(f"tfmem: cannot run {named} rewritten (strict=True, so it does not run "
                              f"unchanged either): {reason}") from cause
-        warn(f"tfmem: running {named} {runs}: {reason}")
+        warn(f"tfmem: running {named} {runs}: {reason}{_budget_as_written(signature.report)}")
 
     # --- inspection ---------------------------------------------------------------
 
@@ -582,6 +582,16 @@ def _substitute(args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], 
         new_flat[position] = tensor
     new_args, new_kwargs = tf.nest.pack_sequence_as((args, kwargs), new_flat, expand_composites=True)
     return tuple(new_args), dict(new_kwargs)
+
+
+def _budget_as_written(report: Report) -> str:
+    """After a fallback, what its budget means now: nothing was planned for the program as
+    written, and a verdict shown before was the rewritten program's."""
+    if report.budget is None or report.memory_before is None:
+        return ""
+    return (f"; the memory budget {report.budget} is not planned for as written (estimated peak "
+            f"{format_size(report.memory_before.peak_bytes)}): what tfmem said of the budget was for the "
+            "rewritten program")
 
 
 def _runs_as_written(config: Config, xla_refused: str = "") -> str:

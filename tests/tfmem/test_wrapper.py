@@ -538,6 +538,19 @@ def test_verify_catches_a_wrong_rewrite() -> None:
         tfmem.TfmemFunction(fn, passes=[_ChangeConstants()], config=Config(verify=True, strict=True))(tf.ones([3]))
 
 
+def test_a_fallback_says_its_budget_was_planned_for_the_rewritten_program() -> None:
+    """A budget verdict comes before the run; when the rewrite is dropped after it, the fallback's
+    warning says the verdict was the rewritten program's, and what the program as written needs."""
+    def fn(x):
+        return x * 2.0
+
+    wrong = tfmem.TfmemFunction(fn, passes=[_ChangeConstants()], config=Config(verify=True, memory_budget="64MiB"))
+    with pytest.warns(tfmem.TfmemWarning, match="verification failed.*not planned for as written "
+                                                "[(]estimated peak .*[)]: what tfmem said of the budget was for "
+                                                "the rewritten program"):
+        np.testing.assert_allclose(wrong(tf.ones([3])).numpy(), [2.0, 2.0, 2.0])
+
+
 def test_callers_function_and_graph_are_not_mutated() -> None:
     stock = tf.function(lambda x: x * 2.0)
     concrete = stock.get_concrete_function(tf.TensorSpec([3], tf.float32))
