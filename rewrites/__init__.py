@@ -19,6 +19,7 @@ from rewrites.solve_in_place import SolveInPlace
 from rewrites.solve_not_invert import SolveInsteadOfInverse
 from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
+from rewrites.diag_of_elementwise import DiagOfElementwise
 from rewrites.diag_of_product import ContractDiagOfProduct
 from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
@@ -33,7 +34,7 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, LeanCholeskyGradient,
                           SolveInsteadOfInverse, ComposeTransposes,
                           ComposeBandParts),
-    "reorder": (ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
+    "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
     "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, SolveInPlace),
 }

@@ -1,0 +1,139 @@
+"""Tests for `rewrites.diag_of_elementwise`: the diagonal of an elementwise expression."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tfmem
+from rewrites.diag_of_elementwise import DiagOfElementwise
+from rewrites.diag_of_product import ContractDiagOfProduct
+
+N = 40
+
+
+def rewrite(fn: Callable[..., Any]) -> tfmem.TfmemFunction:
+    return tfmem.TfmemFunction(fn, passes=[DiagOfElementwise(), ContractDiagOfProduct()], lint=True,
+                               config={"strict": True, "jit_compile": True})
+
+
+def square_matrices(function: tfmem.TfmemFunction, *args: Any) -> list[str]:
+    """The computed [..., N, N] tensors left in the rewritten graph."""
+    graph = function.report(*args).rewritten.graph
+    return [node.name for node in graph.nodes if node.op not in ("Placeholder", "Const")
+            for spec in graph.output_specs(node.name) if spec.shape.rank and spec.shape.rank >= 2
+            and spec.shape[-2:] == [N, N]]
+
+
+def predictive_variance(kss_points, x, a):
+    """GPflow's full covariance, tiled over one latent GP, then only its diagonal: `Kss − AᵀA`."""
+    d2 = tf.reduce_sum(kss_points ** 2, -1)[:, None] + tf.reduce_sum(kss_points ** 2, -1)[None, :] \
+        - 2.0 * tf.matmul(kss_points, kss_points, transpose_b=True)
+    kss = 1.5 * tf.exp(-0.5 * d2)
+    cov = tf.tile((kss - tf.matmul(a, a, transpose_a=True))[None], [1, 1, 1])
+    return tf.linalg.diag_part(cov[0]) + tf.reduce_sum(x)
+
+
+def test_a_predictive_variance_forms_no_square_matrix(rng):
+    args = [tf.constant(rng.normal(size=shape)) for shape in ((N, 2), (3,), (7, N))]
+    wrapped = rewrite(predictive_variance)
+    np.testing.assert_allclose(wrapped(*args).numpy(), tf.function(predictive_variance, jit_compile=True)(*args),
+                               rtol=1e-12, atol=1e-12)
+    fired = [r.rule for r in wrapped.report(*args).records if r.status == "fired"]
+    assert "DiagOfElementwise" in fired and "ContractDiagOfProduct" in fired, fired
+    assert square_matrices(wrapped, *args) == []
+
+
+def test_a_matrix_read_elsewhere_is_left_formed(rng):
+    def fn(x, y):
+        k = tf.exp(x - y)
+        return tf.linalg.diag_part(k), tf.reduce_sum(k, 0)
+
+    args = [tf.constant(rng.normal(size=(N, N))) for _ in range(2)]
+    wrapped = rewrite(fn)
+    [record] = [r for r in wrapped.report(*args).records if r.rule == "DiagOfElementwise"]
+    assert record.status == "rejected" and "also read by" in record.reason
+    for got, want in zip(wrapped(*args), tf.function(fn, jit_compile=True)(*args)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_a_slice_of_the_matrix_dimensions_stays(rng):
+    def fn(x):
+        return tf.linalg.diag_part(tf.exp(x)[:, 1:, 1:])
+
+    x = tf.constant(rng.normal(size=(2, N + 1, N + 1)))
+    wrapped = rewrite(fn)
+    assert [r.status for r in wrapped.report(x).records if r.rule == "DiagOfElementwise"][0] == "rejected"
+    np.testing.assert_array_equal(wrapped(x).numpy(), tf.function(fn, jit_compile=True)(x).numpy())
+
+
+# Operand shapes as an elementwise op broadcasts them to [2, N, N].
+SHAPES = {"matrix": (N, N), "batch": (2, N, N), "column": (N, 1), "row": (1, N), "batch_column": (2, N, 1),
+          "vector_row": (N,), "scalar": (), "one_by_one": (1, 1)}
+UNARY = {"exp": tf.exp, "neg": tf.negative, "square": tf.square, "tanh": tf.tanh, "softplus": tf.nn.softplus,
+         "identity": tf.identity, "abs": tf.abs}
+BINARY = {"add": tf.add, "sub": tf.subtract, "mul": tf.multiply, "div": lambda a, b: a / (1.5 + tf.abs(b)),
+          "max": tf.maximum, "squared_difference": tf.math.squared_difference}
+
+
+@st.composite
+def expressions(draw: Any, depth: int = 3) -> Any:
+    """("leaf", shape) | ("unary", name, e) | ("binary", name, e, e): one side's shape is always a matrix."""
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return ("leaf", draw(st.sampled_from(sorted(SHAPES))))
+    if draw(st.booleans()):
+        return ("unary", draw(st.sampled_from(sorted(UNARY))), draw(expressions(depth=depth - 1)))
+    return ("binary", draw(st.sampled_from(sorted(BINARY))), draw(expressions(depth=depth - 1)),
+            draw(expressions(depth=depth - 1)))
+
+
+def leaves(expression: Any) -> list[str]:
+    if expression[0] == "leaf":
+        return [expression[1]]
+    return [shape for child in expression[2:] for shape in leaves(child)]
+
+
+def evaluate(expression: Any, tensors: list[tf.Tensor]) -> tf.Tensor:
+    if expression[0] == "leaf":
+        return tensors.pop(0)
+    if expression[0] == "unary":
+        return UNARY[expression[1]](evaluate(expression[2], tensors))
+    left = evaluate(expression[2], tensors)
+    return BINARY[expression[1]](left, evaluate(expression[3], tensors))
+
+
+@settings(deadline=None, max_examples=40, derandomize=True, database=None)
+@given(expression=expressions(), arrange=st.sampled_from(["none", "slice", "tile", "expand", "new_axis"]),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
+def test_diagonals_of_random_expressions_equal_stock(expression, arrange, dtype, seed):
+    """Random elementwise expressions over operands of every broadcast shape (plus a matrix, so
+    the result is [2, N, N]), arranged over leading dimensions, then their diagonal: the same
+    values as stock XLA's (the same operations on the same numbers)."""
+    shapes = [SHAPES[name] for name in leaves(expression)] + [SHAPES["matrix"]]
+
+    def fn(*tensors):
+        matrix = evaluate(expression, list(tensors[:-1])) + tensors[-1] * tf.ones([2, 1, 1], tensors[-1].dtype)
+        if arrange == "slice":
+            matrix = matrix[1]
+        elif arrange == "tile":
+            matrix = tf.tile(matrix, [2, 1, 1])
+        elif arrange == "expand":
+            matrix = tf.expand_dims(matrix, 0)
+        elif arrange == "new_axis":
+            matrix = matrix[None, :1]
+        return tf.linalg.diag_part(matrix)
+
+    rng = np.random.default_rng(seed)
+    args = [tf.constant(rng.normal(size=shape).astype(dtype)) for shape in shapes]
+    wrapped = rewrite(fn)
+    got, want = wrapped(*args).numpy(), tf.function(fn, jit_compile=True)(*args).numpy()
+    assert got.shape == want.shape
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * max(1.0, np.max(np.abs(want))))
+    assert [r.status for r in wrapped.report(*args).records if r.rule == "DiagOfElementwise"][0] == "fired"
+    assert square_matrices(wrapped, *args) == []
