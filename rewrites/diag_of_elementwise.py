@@ -20,9 +20,10 @@ vector `[n]` (a row) or a scalar stay as they are.
 Conditions (rejections carry these reasons):
     * the diagonal is the main one (`k = 0`) of a square matrix with static shapes;
     * the matrix is read only by the diagonal (otherwise it is formed anyway);
-    * its op is elementwise (`_UNARY` / `_BINARY`) on real or complex values, or arranges
-      leading dimensions only (a strided slice, a tile, an added axis that leaves the last
-      two dimensions whole: GPflow tiles a covariance over its latent GPs).
+    * its op is elementwise (`_UNARY`, `_BINARY`, a cast, `tf.where` and its comparisons)
+      with a real, complex or boolean result, or arranges leading dimensions only (a strided
+      slice, a tile, an added axis that leaves the last two dimensions whole: GPflow tiles a
+      covariance over its latent GPs).
 
 Example:
     >>> f = tfmem.TfmemFunction(lambda k, a: tf.linalg.diag_part(k - tf.matmul(a, a, transpose_a=True)),
@@ -53,6 +54,10 @@ _UNARY = frozenset({"Identity", "Neg", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "
                     "Erf", "Erfc", "Inv"})
 _BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum", "Minimum", "Pow",
                      "SquaredDifference", "MulNoNan"})
+# Also elementwise, with their own attrs or a third operand (`tf.where`'s, broadcast too),
+# and the comparisons that make a `tf.where`'s condition.
+_OTHER_ELEMENTWISE = frozenset({"Cast", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
+                                "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot"})
 # Ops that only arrange leading (batch) dimensions, when they leave the last two whole.
 _LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims"})
 # How many diagonals one run pushes down, at most (each step adds a few small ops).
@@ -98,12 +103,12 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         return problem
     matrix = graph.inputs(node.name)[0]
     producer = graph.node(matrix.node)
-    if producer.op not in _UNARY | _BINARY | _LEADING_SHAPE_OPS:
+    if producer.op not in _UNARY | _BINARY | _OTHER_ELEMENTWISE | _LEADING_SHAPE_OPS:
         return "not over a computed matrix"
     spec = graph.spec(matrix)
     if not spec.shape.is_fully_defined() or spec.shape.rank < 2 or spec.shape[-1] != spec.shape[-2]:
         return f"{matrix.name} is {spec.shape}, not a square matrix of static shape"
-    if not (spec.dtype.is_floating or spec.dtype.is_complex):
+    if not (spec.dtype.is_floating or spec.dtype.is_complex or spec.dtype == tf.bool):
         return f"{matrix.name} is {spec.dtype.name}"
     readers = {reader for reader, _ in graph.consumers(matrix)}
     if readers != {node.name} or graph.is_output(matrix):
@@ -153,8 +158,11 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
         names = [arg.name for arg in op_def_registry.get(producer.op).input_arg]
         inputs = list(operands)
 
+        # A cast's target type (its only attr a build would not infer from the operands).
+        attrs = {"DstT": tf.as_dtype(producer.attr["DstT"].type)} if producer.op == "Cast" else {}
+
         def build(*xs: tf.Tensor) -> tf.Tensor:
-            return op(**{name: _diagonal_of(x, n) for name, x in zip(names, xs)})
+            return op(**{name: _diagonal_of(x, n) for name, x in zip(names, xs)}, **attrs)
     [new] = graph.splice(build, inputs, scope="diag_of_operands")
     got, want = graph.spec(new).shape, graph.spec(TensorRef(node.name)).shape
     if got != want:

@@ -76,9 +76,11 @@ def test_a_slice_of_the_matrix_dimensions_stays(rng):
 SHAPES = {"matrix": (N, N), "batch": (2, N, N), "column": (N, 1), "row": (1, N), "batch_column": (2, N, 1),
           "vector_row": (N,), "scalar": (), "one_by_one": (1, 1)}
 UNARY = {"exp": tf.exp, "neg": tf.negative, "square": tf.square, "tanh": tf.tanh, "softplus": tf.nn.softplus,
-         "identity": tf.identity, "abs": tf.abs}
+         "identity": tf.identity, "abs": tf.abs,
+         "cast_round_trip": lambda a: tf.cast(tf.cast(a, tf.float32 if a.dtype == tf.float64 else tf.float64), a.dtype)}
 BINARY = {"add": tf.add, "sub": tf.subtract, "mul": tf.multiply, "div": lambda a, b: a / (1.5 + tf.abs(b)),
-          "max": tf.maximum, "squared_difference": tf.math.squared_difference}
+          "max": tf.maximum, "squared_difference": tf.math.squared_difference,
+          "where": lambda a, b: tf.where(a > b, a, -b)}
 
 
 @st.composite
