@@ -69,9 +69,10 @@ import tensorflow as tf
 
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
-from rewrites.split.diagonals import diagonal_mask
 from tfmem.pattern import (Emitted, Match, OpBuilder, Pattern, PatternNode, RegionRule, outside_readers,
                            self_containment_reason)
+
+from rewrites.split.diagonals import diagonal_mask
 
 _Env = Mapping[TensorRef, tf.Tensor]
 
