@@ -172,18 +172,10 @@ def rename_functions(graph_def: graph_pb2.GraphDef, names: Mapping[str, str]) ->
         >>> graph_def = graph.to_graph_def()
         >>> rename_functions(graph_def, {"while_body_6": "while_body_6_x", "while_cond_5": "while_cond_5_x"})
     """
-    def rename_attr(value: attr_value_pb2.AttrValue) -> None:
-        kind = value.WhichOneof("value")
-        functions = [value.func] if kind == "func" else list(value.list.func) if kind == "list" else []
-        for function in functions:
-            function.name = names.get(function.name, function.name)
-            for nested in function.attr.values():
-                rename_attr(nested)
-
     def rename_node(node: node_def_pb2.NodeDef) -> None:
         node.op = names.get(node.op, node.op)
-        for value in node.attr.values():
-            rename_attr(value)
+        for function in _function_attrs(node.attr.values()):
+            function.name = names.get(function.name, function.name)
 
     for node in graph_def.node:
         rename_node(node)
@@ -191,8 +183,8 @@ def rename_functions(graph_def: graph_pb2.GraphDef, names: Mapping[str, str]) ->
         function.signature.name = names.get(function.signature.name, function.signature.name)
         for node in function.node_def:
             rename_node(node)
-        for value in function.attr.values():
-            rename_attr(value)
+        for named in _function_attrs(function.attr.values()):
+            named.name = names.get(named.name, named.name)
     for gradient in graph_def.library.gradient:
         gradient.function_name = names.get(gradient.function_name, gradient.function_name)
         gradient.gradient_func = names.get(gradient.gradient_func, gradient.gradient_func)
@@ -201,18 +193,17 @@ def rename_functions(graph_def: graph_pb2.GraphDef, names: Mapping[str, str]) ->
 def called_functions(node: node_def_pb2.NodeDef) -> list[str]:
     """The functions `node` names in its `func` attrs (a While's `cond` and `body`, an If's
     branches, a call's `f`, also nested in lists and in function-valued attrs' own attrs)."""
-    names: list[str] = []
+    return [function.name for function in _function_attrs(node.attr.values())]
 
-    def visit(value: attr_value_pb2.AttrValue) -> None:
+
+def _function_attrs(values: Iterable[attr_value_pb2.AttrValue]) -> Iterator[attr_value_pb2.NameAttrList]:
+    """Every function-valued attr among `values`, also in lists and nested in their own attrs
+    (the protos themselves: `rename_functions` renames them in place)."""
+    for value in values:
         kind = value.WhichOneof("value")
         for function in [value.func] if kind == "func" else list(value.list.func) if kind == "list" else []:
-            names.append(function.name)
-            for nested in function.attr.values():
-                visit(nested)
-
-    for value in node.attr.values():
-        visit(value)
-    return names
+            yield function
+            yield from _function_attrs(function.attr.values())
 
 
 def _split_inputs(node: node_def_pb2.NodeDef) -> tuple[list[TensorRef], list[str]]:
