@@ -60,6 +60,8 @@ _OTHER_ELEMENTWISE = frozenset({"Cast", "SelectV2", "Greater", "GreaterEqual", "
                                 "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot"})
 # Ops that only arrange leading (batch) dimensions, when they leave the last two whole.
 _LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims"})
+# Why a diagonal is not this rule's to record (a product's is ContractDiagOfProduct's, say).
+_NOT_ELEMENTWISE = "not of an elementwise op's output"
 # How many diagonals one run pushes down, at most (each step adds a few small ops).
 _MAX_STEPS = 256
 
@@ -80,14 +82,15 @@ class DiagOfElementwise(GraphPass):
 
     def run(self, graph: Graph, context: PassContext) -> PassResult:
         records: list[RewriteRecord] = []
-        refused: set[str] = set()
-        for _ in range(_MAX_STEPS):
-            step = next(((node, why) for node in graph.nodes if node.op in DIAG_OPS and node.name not in refused
-                         for why in [_why_not(graph, node)] if why != "not over a computed matrix"), None)
-            if step is None:
+        seen: set[str] = set()  # each diagonal is looked at once: pushed down, refused, or not this rule's
+        while sum(r.status == "fired" for r in records) < _MAX_STEPS:
+            node = next((n for n in graph.nodes if n.op in DIAG_OPS and n.name not in seen), None)
+            if node is None:
                 break
-            node, why = step
-            refused.add(node.name)
+            seen.add(node.name)
+            why = _why_not(graph, node)
+            if why == _NOT_ELEMENTWISE:
+                continue
             if why is not None:
                 records.append(RewriteRecord(self.name, RULE, "rejected", (node.name,), why))
                 continue
@@ -104,7 +107,7 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
     matrix = graph.inputs(node.name)[0]
     producer = graph.node(matrix.node)
     if producer.op not in _UNARY | _BINARY | _OTHER_ELEMENTWISE | _LEADING_SHAPE_OPS:
-        return "not over a computed matrix"
+        return _NOT_ELEMENTWISE
     spec = graph.spec(matrix)
     if not spec.shape.is_fully_defined() or spec.shape.rank < 2 or spec.shape[-1] != spec.shape[-2]:
         return f"{matrix.name} is {spec.shape}, not a square matrix of static shape"
