@@ -201,7 +201,9 @@ def test_what_the_allocator_holds_counts_against_a_configured_budget() -> None:
     # over 63 MiB. Judged by its peak alone, the largest region (at least half of it) had room.
     assert not GRAM_BUDGET.fits_plan(GRAM_PLAN, GRAM_HELD)
     assert GRAM_BUDGET.plan_overshoot(GRAM_PLAN, GRAM_HELD) > 1
-    assert GRAM_BUDGET.fits_plan(GRAM_PLAN, Held(peak=GRAM_HELD.peak))  # the old reading: its peak, nothing in use
+    # The old reading, its peak with nothing in use and the block alone, found the block room.
+    assert GRAM_BUDGET.block_room(GRAM_PLAN.total_bytes, GRAM_PLAN.block_bytes, Held(peak=GRAM_HELD.peak)) \
+        >= GRAM_PLAN.block_bytes
     assert "beside the 32.1 MiB the allocator holds already" in GRAM_BUDGET.why_not(GRAM_PLAN, GRAM_HELD)
     # A budget from the device left out what its allocator held then: only what came since counts.
     from_device = Budget(GRAM_BUDGET.nbytes, "TF_CPU_BFC_MEM_LIMIT_IN_MB=…", in_use_excluded=GRAM_HELD.in_use)
@@ -259,3 +261,55 @@ def test_no_re_plan_target_when_the_rest_leaves_the_temporaries_no_room() -> Non
     assert "(parameters, outputs, constants), 39.1 MiB, leave none of 59.4 MiB" in why, why
     # What the allocator holds can take the room too (the Gram loss under its 63 MiB limit).
     assert GRAM_BUDGET.replan_target(GRAM_PLAN, 51_275_776, GRAM_HELD) is None
+
+
+def test_outputs_allocated_first_may_take_the_largest_region_whole() -> None:
+    # Measured (MiB): a [3000, 3000] float64 output (68.7) and a 2.3 MiB block, XLA plans 71.0,
+    # under 128 after an earlier call had grown a 126 MiB region: the output took the region
+    # whole (BFC splits a chunk only at twice the request), and the block found no room.
+    budget = Budget(128 * MIB, "config")
+    total, block, output = int(71.0 * MIB), int(2.3 * MIB), int(68.7 * MIB)
+    grown = Held(in_use=int(0.1 * MIB), peak=int(126.1 * MIB))
+    assert budget.block_room(total, block, grown) > 60 * MIB  # the block alone: the region is free
+    assert budget.block_room(total, block, grown, other_bytes=output) == 0
+    assert not budget.fits_xla_plan(total, block, grown, other_bytes=output)
+    # Outputs under half the region leave it less by what they take.
+    small = 10 * MIB
+    assert budget.block_room(total, block, grown, other_bytes=small) == pytest.approx(126.1 * MIB / 2 - 0.1 * MIB - small,
+                                                                                      rel=1e-6)
+
+
+def output_after_a_grown_region(limit_mb: int) -> dict[str, object]:
+    """In a fresh process under a `limit_mb` BFC limit: an earlier call grows a region of
+    nearly the whole limit (its output takes it), then tfmem's verdict on a program with a
+    [3000, 3000] float64 output and a small block, and that program's run."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tfmem
+
+    x = tf.constant(np.random.default_rng(0).normal(size=(3000, 3)))
+    w = tf.constant(np.random.default_rng(1).normal(size=(3, 100)))
+
+    def gram(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+        t = tf.exp(0.1 * (x @ w))
+        return tf.matmul(t, t, transpose_b=True)
+
+    earlier = tf.zeros([(limit_mb - 4) * 2**20 // 8], tf.float64)  # grows one region, nearly all the limit
+    del earlier
+    wrapped = tfmem.function(gram, config=tfmem.Config(memory_budget=f"{limit_mb}MiB"))
+    fits = wrapped.report(x, w).fits
+    try:
+        wrapped(x, w)
+        ran = "ok"
+    except tf.errors.ResourceExhaustedError:
+        ran = "oom"
+    return {"fits": fits, "ran": ran}
+
+
+def test_a_verdict_after_an_earlier_call_grew_the_regions_is_right_under_a_real_limit() -> None:
+    from tfmem.isolation import run_isolated
+
+    result = run_isolated(output_after_a_grown_region, 128, memory_limit_mb=128, timeout=None)
+    assert result.status == "ok", result.error
+    assert result.value == {"fits": False, "ran": "oom"}
