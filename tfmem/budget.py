@@ -198,11 +198,11 @@ class Budget:
             0.0
         """
         limit = self.xla_bytes if limit is None else limit
-        largest_region = held.peak / REGION_SLACK - held.in_use  # regions double: the last holds at least half
-        if other_bytes and largest_region < 2 * other_bytes:  # BFC's split rule: under twice the request, all of it
+        region = held.peak / REGION_SLACK  # regions double: the last is at least half of all
+        if other_bytes and region < 2 * other_bytes:  # BFC's split rule: under twice the request, all of it
             largest_region = 0.0
         else:
-            largest_region -= other_bytes
+            largest_region = region - held.in_use - other_bytes
         grown = max(held.peak + other_bytes, total_bytes - largest_bytes)
         return max(largest_region, limit - REGION_SLACK * grown)
 
