@@ -42,8 +42,11 @@ The real peak TensorFlow's BFC allocator reports can come close to the limit eve
 a block that needs a new region gets the whole region when it is under twice the
 block (BFC does not split it) and the whole region counts as in use. That is
 bookkeeping, not a risk: on kxx_expanded_matmul XLA plans 74.7 MiB and the allocator
-reports a 124 MiB peak under a 128 MiB limit, and the program runs. The corpus's
-verdict table (benchmarks/corpus/RESULTS.md) checks both rules against real limits.
+reports a 124 MiB peak under a 128 MiB limit, and the program runs. It is a risk for
+the call's outputs, which come before its block: one over half a region takes all of it
+(`Budget.block_room`). The corpus's verdict table (benchmarks/corpus/RESULTS.md) checks
+both rules against real limits, and `benchmarks/allocator_grid.py` where the allocator
+decides: outputs and temporaries of up to half the limit, after an earlier call grew a region.
 
 Example:
     >>> resolve_budget(Config(memory_budget="1GiB"))
