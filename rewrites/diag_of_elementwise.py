@@ -4,6 +4,8 @@
     diag_part(exp(−½ D))          →   exp(−½ diag_part(D))
     diag_part(a[:, None] + b)     →   a + b                     (a column's diagonal is itself, as is a row's)
     diag_part(X[0])               →   diag_part(X)[0]           (also tile, expand_dims: leading dimensions)
+    diag_part(Σₖ (x[:, None, :] − y[None, :, :])²)
+                                  →   Σₖ (x − y)²               (a pairwise map, reduced over its last axis)
 
 An elementwise op on `[..., n, n]` matrices computes each entry from the same entry of
 its operands, so its diagonal needs only theirs. Pushed down to the leaves, the diagonal
@@ -23,7 +25,11 @@ Conditions (rejections carry these reasons):
     * its op is elementwise (`_UNARY`, `_BINARY`, a cast, `tf.where` and its comparisons)
       with a real, complex or boolean result, or arranges leading dimensions only (a strided
       slice, a tile, an added axis that leaves the last two dimensions whole: GPflow tiles a
-      covariance over its latent GPs).
+      covariance over its latent GPs);
+    * or it reduces (`_REDUCTIONS`) the last axis of a `[..., n, n, d]` elementwise expression
+      read only inside itself (a kernel matrix written with broadcasts, which XLA keeps
+      unexpanded for few features): its diagonal is the reduction of the expression over the
+      pairs (i, i), computed from each operand's rows (`_pair_diagonal_of`).
 
 Example:
     >>> f = tfmem.TfmemFunction(lambda k, a: tf.linalg.diag_part(k - tf.matmul(a, a, transpose_a=True)),
@@ -58,6 +64,11 @@ _BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maxim
 # and the comparisons that make a `tf.where`'s condition.
 _OTHER_ELEMENTWISE = frozenset({"Cast", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
                                 "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot"})
+# Reductions whose diagonal, over the last axis of a [..., n, n, d] expression, is the
+# reduction of the expression's diagonal pairs.
+_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
+# How many elementwise ops such an expression may have.
+_MAX_PAIRWISE_OPS = 32
 # Ops that only arrange leading (batch) dimensions, when they leave the last two whole.
 _LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims"})
 # Why a diagonal is not this rule's to record (a product's is ContractDiagOfProduct's, say).
@@ -106,7 +117,7 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         return problem
     matrix = graph.inputs(node.name)[0]
     producer = graph.node(matrix.node)
-    if producer.op not in _UNARY | _BINARY | _OTHER_ELEMENTWISE | _LEADING_SHAPE_OPS:
+    if producer.op not in _UNARY | _BINARY | _OTHER_ELEMENTWISE | _LEADING_SHAPE_OPS | _REDUCTIONS:
         return _NOT_ELEMENTWISE
     spec = graph.spec(matrix)
     if not spec.shape.is_fully_defined() or spec.shape.rank < 2 or spec.shape[-1] != spec.shape[-2]:
@@ -117,6 +128,9 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
     if readers != {node.name} or graph.is_output(matrix):
         others = sorted(readers - {node.name}) or ["the program's outputs"]
         return f"{matrix.name} is also read by {others[0]}: it is formed anyway"
+    if producer.op in _REDUCTIONS:
+        found = _pairwise_expression(graph, producer)
+        return found if isinstance(found, str) else None
     if producer.op == "StridedSlice":
         return _leading_slice_problem(graph, producer)
     if producer.op == "Tile":
@@ -136,7 +150,18 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
     producer = graph.node(matrix.node)
     n = int(graph.spec(matrix).shape[-1])
     operands = graph.inputs(producer.name)
-    if producer.op == "StridedSlice":
+    if producer.op in _REDUCTIONS:
+        ops, leaves = _pairwise_expression(graph, producer)  # type: ignore[misc]  # _why_not found it
+        expression = graph.inputs(producer.name)[0]
+        reduce: Callable[..., tf.Tensor] = getattr(tf.raw_ops, producer.op)
+
+        def build(*xs: tf.Tensor) -> tf.Tensor:
+            values = {leaf: _pair_diagonal_of(x, n) for leaf, x in zip(leaves, xs)}
+            for name in ops:  # in the graph's order: operands first
+                values[TensorRef(name)] = _apply(graph.node(name), [values[ref] for ref in graph.inputs(name)])
+            return reduce(input=values[expression], axis=-1, keep_dims=False)
+        inputs = list(leaves)
+    elif producer.op == "StridedSlice":
         (begin, end, strides), masks = _slice_of_diagonal(graph, producer)
 
         def build(x: tf.Tensor) -> tf.Tensor:
@@ -156,16 +181,10 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
             return tf.expand_dims(tf.linalg.diag_part(x), axis)
         inputs = [operands[0]]
     else:
-        op: Callable[..., tf.Tensor] = getattr(tf.raw_ops, producer.op)
-        # The op's own argument names (`x`, `y`; `features` for Relu, `input` for Identity).
-        names = [arg.name for arg in op_def_registry.get(producer.op).input_arg]
         inputs = list(operands)
 
-        # A cast's target type (its only attr a build would not infer from the operands).
-        attrs = {"DstT": tf.as_dtype(producer.attr["DstT"].type)} if producer.op == "Cast" else {}
-
         def build(*xs: tf.Tensor) -> tf.Tensor:
-            return op(**{name: _diagonal_of(x, n) for name, x in zip(names, xs)}, **attrs)
+            return _apply(producer, [_diagonal_of(x, n) for x in xs])
     [new] = graph.splice(build, inputs, scope="diag_of_operands")
     got, want = graph.spec(new).shape, graph.spec(TensorRef(node.name)).shape
     if got != want:
@@ -177,6 +196,73 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
                          f"diag_part of {producer.op} {matrix.name} taken of its operands",
                          details={"matrix": matrix.name, "op": producer.op,
                                   "matrix_bytes": graph.nbytes(matrix) or 0})
+
+
+def _apply(node: node_def_pb2.NodeDef, operands: list[tf.Tensor]) -> tf.Tensor:
+    """`node`'s elementwise op on new operands."""
+    op: Callable[..., tf.Tensor] = getattr(tf.raw_ops, node.op)
+    # The op's own argument names (`x`, `y`; `features` for Relu, `input` for Identity), and a
+    # cast's target type (the only attr a build would not infer from the operands).
+    names = [arg.name for arg in op_def_registry.get(node.op).input_arg]
+    attrs = {"DstT": tf.as_dtype(node.attr["DstT"].type)} if node.op == "Cast" else {}
+    return op(**dict(zip(names, operands)), **attrs)
+
+
+def _pairwise_expression(graph: Graph, reduction: node_def_pb2.NodeDef) -> tuple[list[str], list[TensorRef]] | str:
+    """The elementwise ops (in graph order) and the leaves of the `[..., n, n, d]` expression
+    that `reduction` reduces over its last axis, or why it is not one.
+
+    Every op of the expression is elementwise and read only inside it (its root, only by the
+    reduction); a leaf is any other tensor, broadcast to the expression.
+    """
+    expression, axis = graph.inputs(reduction.name)[:2]
+    shape = graph.spec(expression).shape
+    if shape.rank is None or shape.rank < 3 or not shape.is_fully_defined():
+        return f"{expression.name} is {shape}, not a [..., n, n, d] expression of static shape"
+    axes = graph.constant_value(axis)
+    if axes is None or reduction.attr["keep_dims"].b or \
+            [int(a) % shape.rank for a in np.atleast_1d(np.asarray(axes))] != [shape.rank - 1]:
+        return f"{reduction.name} does not reduce {expression.name}'s last axis alone, dropping it"
+
+    def elementwise(name: str) -> bool:
+        return (graph.node(name).op in _UNARY | _BINARY | _OTHER_ELEMENTWISE
+                and len(graph.output_specs(name)) == 1 and not graph.is_output(TensorRef(name)))
+
+    if not elementwise(expression.node) or {r for r, _ in graph.consumers(expression)} != {reduction.name}:
+        return f"{expression.name} is not an elementwise expression read only by {reduction.name}"
+    inside, stack = {expression.node}, [expression.node]
+    while stack:  # every elementwise op the expression is made of ...
+        for ref in graph.inputs(stack.pop()):
+            if ref.node not in inside and elementwise(ref.node):
+                inside.add(ref.node)
+                stack.append(ref.node)
+        if len(inside) > _MAX_PAIRWISE_OPS:
+            return f"{expression.name}'s expression has more than {_MAX_PAIRWISE_OPS} elementwise ops"
+    shared = True
+    while shared:  # ... less those read outside it (formed anyway: leaves), until none is
+        shared = False
+        for name in sorted(inside - {expression.node}):
+            if any(reader not in inside for reader, _ in graph.consumers(TensorRef(name))):
+                inside.discard(name)
+                shared = True
+    position = {name: i for i, name in enumerate(graph.topological_order())}
+    ops = sorted(inside, key=position.__getitem__)
+    leaves = list(dict.fromkeys(ref for name in ops for ref in graph.inputs(name) if ref.node not in inside))
+    return ops, leaves
+
+
+def _pair_diagonal_of(x: tf.Tensor, n: int) -> tf.Tensor:
+    """What `x`, broadcast to [..., n, n, d], has at the pairs (i, i), as [..., n, d] or
+    broadcastable to it: its matrix dimensions are the third and second from last."""
+    shape = x.shape.as_list()
+    if len(shape) < 3:
+        return x  # [d], or [n | 1, d] read along the columns: the same for every row
+    rows, cols = shape[-3:-1]
+    if rows == cols == n:  # pairs (i, j) as one axis of n·n: (i, i) is every (n + 1)-th, no copy of x
+        return tf.reshape(x, [*shape[:-3], n * n, shape[-1]])[..., ::n + 1, :]
+    if cols == 1:
+        return x[..., :, 0, :]  # [..., n | 1, 1, d]: one row per i
+    return x[..., 0, :, :]  # [..., 1, n, d]: one column per j, read at j = i
 
 
 def _diagonal_of(x: tf.Tensor, n: int) -> tf.Tensor:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfmem
+from tfmem.testing import assert_close, with_gradient
 from rewrites.diag_of_elementwise import DiagOfElementwise
 from rewrites.diag_of_product import ContractDiagOfProduct
 
@@ -139,3 +140,81 @@ def test_diagonals_of_random_expressions_equal_stock(expression, arrange, dtype,
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * max(1.0, np.max(np.abs(want))))
     assert [r.status for r in wrapped.report(*args).records if r.rule == "DiagOfElementwise"][0] == "fired"
     assert square_matrices(wrapped, *args) == []
+
+
+# Pairwise expressions: operands broadcast to [B, N, N, D] by the matrix dimensions (third and
+# second from last) and reduced over the last axis, as a kernel matrix written with broadcasts.
+D = 3
+PAIR_SHAPES = {"rows": (N, 1, D), "cols": (1, N, D), "batch_rows": (2, N, 1, D), "full": (N, N, D),
+               "features": (D,), "scalar": (), "column_features": (N, D)}
+REDUCTIONS = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max, "min": tf.reduce_min,
+              "prod": lambda t, axis: tf.reduce_prod(tf.tanh(t) + 1.5, axis)}
+
+
+@st.composite
+def pairwise_expressions(draw: Any, depth: int = 3) -> Any:
+    """As `expressions`, over `PAIR_SHAPES`."""
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return ("leaf", draw(st.sampled_from(sorted(PAIR_SHAPES))))
+    if draw(st.booleans()):
+        return ("unary", draw(st.sampled_from(sorted(UNARY))), draw(pairwise_expressions(depth=depth - 1)))
+    return ("binary", draw(st.sampled_from(sorted(BINARY))), draw(pairwise_expressions(depth=depth - 1)),
+            draw(pairwise_expressions(depth=depth - 1)))
+
+
+@settings(deadline=None, max_examples=30, derandomize=True, database=None)
+@given(expression=pairwise_expressions(), reduction=st.sampled_from(sorted(REDUCTIONS)),
+       reader=st.sampled_from(["diag_part", "trace"]), dtype=st.sampled_from([np.float32, np.float64]),
+       gradient=st.booleans(), seed=st.integers(0, 2**16))
+def test_diagonals_of_random_pairwise_reductions_equal_stock(expression, reduction, reader, dtype, gradient, seed):
+    """A kernel-like matrix `R_d f(x[:, None, :], y[None, :, :], ...)` over random elementwise
+    expressions, reduced over the features, then its diagonal or trace: the same values as
+    stock XLA's, and (in the forward) no [N, N] matrix or [N, N, D] expression is formed."""
+    shapes = [PAIR_SHAPES[name] for name in leaves(expression)] + [(N, D), (N, D)]
+
+    def fn(*tensors):
+        x, y = tensors[-2:]
+        pairs = x[:, None, :] - y[None, :, :]
+        matrix = REDUCTIONS[reduction](evaluate(expression, list(tensors[:-2])) * pairs, -1)
+        if matrix.shape.rank == 2:
+            matrix = matrix[None]
+        return tf.linalg.trace(matrix) if reader == "trace" else tf.linalg.diag_part(matrix)
+
+    rng = np.random.default_rng(seed)
+    args = [tf.constant(rng.normal(size=shape).astype(dtype)) for shape in shapes]
+    program = with_gradient(fn) if gradient else fn
+    wrapped = rewrite(program)
+    assert_close(wrapped(*args), tf.function(program, jit_compile=True)(*args), tf.as_dtype(dtype))
+    if not gradient:
+        statuses = [r.status for r in wrapped.report(*args).records if r.rule == "DiagOfElementwise"]
+        assert "fired" in statuses, statuses
+        graph = wrapped.report(*args).rewritten.graph
+        formed = [node.name for node in graph.nodes for spec in graph.output_specs(node.name)
+                  if node.op not in ("Placeholder", "Const") and spec.shape.rank and spec.shape.rank >= 2
+                  and N in spec.shape.as_list()[-3:-1] and spec.shape.as_list().count(N) >= 2]
+        assert formed == [], formed
+
+
+def test_a_kernel_diagonal_written_with_broadcasts_forms_no_matrix(rng):
+    """The fuzz round's predictive variance: `diag(Kss − AᵀA)` with Kss written as
+    exp(−½ Σ (x[:, None] − x[None])²), kept unexpanded for its 2 features."""
+    def variance(xs, a):
+        kss = tf.exp(-0.5 * tf.reduce_sum((xs[:, None, :] - xs[None, :, :]) ** 2, -1))
+        return tf.linalg.diag_part(kss - tf.matmul(a, a, transpose_a=True))
+
+    args = [tf.constant(rng.uniform(-3, 3, size=(N, 2))), tf.constant(rng.normal(size=(7, N)))]
+    wrapped = rewrite(variance)
+    np.testing.assert_allclose(wrapped(*args).numpy(), tf.function(variance, jit_compile=True)(*args).numpy(),
+                               rtol=1e-12, atol=1e-12)
+    assert square_matrices(wrapped, *args) == []
+
+
+def test_a_reduction_over_a_matrix_dimension_is_left_alone(rng):
+    def fn(t):
+        return tf.linalg.diag_part(tf.reduce_sum(tf.exp(t), 0))
+
+    t = tf.constant(rng.normal(size=(3, N, N)))
+    wrapped = rewrite(fn)
+    [record] = [r for r in wrapped.report(t).records if r.rule == "DiagOfElementwise"]
+    assert record.status == "rejected" and "last axis" in record.reason
+    np.testing.assert_allclose(wrapped(t).numpy(), tf.function(fn, jit_compile=True)(t).numpy(), rtol=1e-12)
