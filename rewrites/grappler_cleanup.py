@@ -121,7 +121,9 @@ class _Shielded:
 
     - shape queries of statically shaped tensors are constants already (what Grappler
       would have folded them into, without its needing the shapes below);
-    - large computable nodes are placeholders (opaque: Grappler cannot fold them);
+    - large computable nodes are placeholders (opaque: Grappler cannot fold them), those
+      made from a `zeros_like` of an input too (its value is its shape's), and so are small
+      ones that Grappler could fold together into a large one (`_may_fold_into_large`);
     - large placeholders, and those stand-ins, have unknown dimensions (tiny feeds);
     - floating-point constants added to computed values are stand-ins too, one per read
       (`_shield_additive_constants`): Grappler would reassociate around them.
@@ -158,6 +160,11 @@ _ADDITIVE_OPS = frozenset({"Add", "AddV2", "Sub", "BiasAdd"})
 
 _SHAPE_QUERIES = {"Shape": lambda shape: shape, "Size": lambda shape: int(np.prod(shape)),
                   "Rank": lambda shape: len(shape)}
+# Ops whose value is their input's static shape's alone: Grappler folds them whatever the input.
+_SHAPE_ONLY_OPS = frozenset({"ZerosLike", "OnesLike"})
+# Binary elementwise ops whose constant operands Grappler's push-down gathers and folds together.
+_ELEMENTWISE_BINARY = _ADDITIVE_OPS | {"Mul", "RealDiv", "Div", "MulNoNan", "DivNoNan", "Maximum", "Minimum",
+                                       "SquaredDifference"}
 
 
 def _shield_large_constants(graph: Graph) -> _Shielded:
@@ -178,14 +185,34 @@ def _shield_large_constants(graph: Graph) -> _Shielded:
             relaxed += [node.name] if large else []
             continue
         producers = shielded.producers(node.name)
-        if node.op == "Const" or (producers and not shielded.is_stateful(node.name)
-                                  and all(p in computable for p in producers)):
+        shape_only = (node.op in _SHAPE_ONLY_OPS
+                      and shielded.spec(shielded.inputs(node.name)[0]).shape.is_fully_defined())
+        if node.op == "Const" or shape_only or (producers and not shielded.is_stateful(node.name)
+                                                and all(p in computable for p in producers)):
             computable.add(node.name)
             hidden += [node.name] if large and node.op != "Const" else []
+    hidden += [name for name in sorted(computable - set(hidden)) if _may_fold_into_large(shielded, name, computable)]
     for name in hidden + relaxed:
         shielded.replace_node(placeholder_like(shielded, name, unknown_dims=True))
     operands = _shield_additive_constants(shielded, computable)
     return _Shielded(shielded, graph, tuple(hidden), tuple(relaxed), operands)
+
+
+def _may_fold_into_large(graph: Graph, name: str, computable: set[str]) -> bool:
+    """Whether Grappler may fold computable node `name` with another constant into a large one.
+
+    Its constant push-down gathers the constant factors of a chain of elementwise ops:
+    `(sW ∘ K) ∘ sWᵀ` → `(sW ∘ sWᵀ) ∘ K`, and evaluates `sW ∘ sWᵀ`, an [n, n] outer product of
+    two [n] vectors, on the host (a Laplace GP classifier's Newton step from f = 0: 17 MiB
+    the allocator then keeps as a region). So a computable tensor with more than one element,
+    read by an elementwise op that makes a large value from what is not computable, is hidden.
+    """
+    spec = graph.spec(TensorRef(name))
+    if not (spec.dtype.is_floating or spec.dtype.is_complex) or (spec.shape.num_elements() or 0) <= 1:
+        return False
+    return any(graph.node(reader).op in _ELEMENTWISE_BINARY and reader not in computable
+               and (graph.nbytes(TensorRef(reader)) or 0) > LARGE_TENSOR_BYTES
+               for reader, _ in graph.consumers(TensorRef(name)))
 
 
 def _constant_value(graph: Graph, ref: TensorRef) -> np.ndarray | None:

@@ -93,6 +93,34 @@ def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
     return {"rss_growth_bytes": after - before, "ops": result.graph.op_counts()}
 
 
+def cleanup_allocator_peak(n: int) -> dict[str, Any]:
+    """Runs the cleanup stage on a Laplace GP classifier's first Newton step (from f = 0, so
+    `sW ∘ K ∘ sWᵀ` has constant factors) at n points; returns the CPU allocator's peak.
+
+    Meant for `tfmem.run_isolated` (TensorFlow's BFC allocator, a fresh process): Grappler
+    must not fold `sW ∘ sWᵀ`, an [n, n] outer product, on the allocator the program runs on.
+    """
+    from tfmem.config import Config
+    from tfmem.context import PassContext
+    from tfmem.graph import Graph
+    from tfmem.passes import PassManager, default_pipeline
+
+    def newton_step(x, y):  # x: [n, 2], y: [n, 1]
+        k = tf.exp(-0.5 * tf.reduce_sum((x[:, None, :] - x[None, :, :]) ** 2, -1))
+        f = tf.zeros_like(y)
+        pi = tf.sigmoid(f)
+        root_w = tf.sqrt(pi * (1 - pi))
+        return tf.linalg.cholesky(tf.eye(n, dtype=tf.float64) + root_w * k * tf.transpose(root_w))
+
+    tf.zeros([8]) + 1.0  # an op on the CPU first: its allocator is then the BFC one the peak is read from
+    specs = (tf.TensorSpec([n, 2], tf.float64), tf.TensorSpec([n, 1], tf.float64))
+    concrete = tf.function(newton_step).get_concrete_function(*specs)
+    graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
+    config = Config(passes=["cleanup"])
+    PassManager(default_pipeline(config)).run(graph, PassContext(config))
+    return {"peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
+
+
 def run_scenarios(scenarios: Mapping[str, Callable[[Any], dict[str, Any]]], argument: Any) -> dict[str, dict[str, Any]]:
     """Runs every scenario on `argument`; one that raises gives `{"error": <its traceback>}`.
 

@@ -208,3 +208,13 @@ def test_cleanup_never_builds_a_large_tensor_on_the_host() -> None:
     assert result.value["rss_growth_bytes"] < 200 * 2**20, result.value
     ops = result.value["ops"]
     assert ops.get("Fill", 0) >= 2 and ops.get("Placeholder") == 1, ops
+
+
+def test_grappler_folds_no_large_product_of_small_constants_on_the_allocator() -> None:
+    # A Laplace GP classifier's Newton step from f = 0: Grappler's push-down gathers the
+    # constant factors of sW ∘ K ∘ sWᵀ and evaluated sW ∘ sWᵀ, [1500, 1500] float64 (17 MiB),
+    # on the allocator the program then ran on: under a 76 MiB limit the program, which runs
+    # as stock XLA, ran out of memory after tfmem's cleanup had grown a 32 MiB region.
+    result = run_isolated("tfmem.testing:cleanup_allocator_peak", 1500, timeout=None)
+    assert result.ok, result.error
+    assert result.value["peak_bytes"] < 4 * 2**20, result.value
