@@ -90,6 +90,11 @@ XLA_FRACTION = 0.95
 # refused under 192 MiB after 24 MiB of data had grown the regions; accounting for them,
 # it is split further and runs.
 REGION_SLACK = 2.0
+# The smallest region a BFC allocator grows (its first, `min(limit, 2 MiB)` in TensorFlow's
+# bfc_allocator.cc): once anything is allocated, at least this much is held in regions. A
+# CG solve's gradient under 76 MiB, a 74.2 MiB block beside 0.2 MiB of inputs: room for it
+# counted as 75.6 MiB, and the first region left 74.0.
+BFC_FIRST_REGION = 2 << 20
 # The most XLA's plan for a rewritten program exceeded tfmem's static estimate of it on
 # the corpus (benchmarks/corpus at e6f299d, 46 programs at their budgets: row_normalised 1.58,
 # gpr_predict_mean_var 1.53, sgpr_predict_mean_var 1.27; most plan less than the
@@ -116,10 +121,13 @@ class Held:
             request: a 9.8 MiB input can hold 16 MiB).
         peak: the allocator's peak so far, where it grows in regions that it never gives
             back (TensorFlow's BFC on the CPU); 0 elsewhere (see `Budget.xla_overshoot`).
+        regions: what such an allocator holds in regions at least, whatever its peak: its
+            first region (`BFC_FIRST_REGION`) once it has allocated anything.
     """
 
     in_use: int = 0
     peak: int = 0
+    regions: int = 0
 
 
 NOTHING_HELD = Held()
@@ -182,8 +190,9 @@ class Budget:
         The larger of two: what the largest region the allocator grew has left (regions
         double, so it holds at least `held.peak / REGION_SLACK`, and all that is in use may
         sit in it), and what is left to grow once regions of `REGION_SLACK` times what
-        came before the block are held: the allocator's peak and the call's outputs
-        (`other_bytes`), or the plan's buffers other than the block, whichever is more.
+        came before the block are held (and at least `held.regions`): the allocator's peak
+        and the call's outputs (`other_bytes`), or the plan's buffers other than the block,
+        whichever is more.
 
         The outputs come first and may land in that largest region too. BFC splits a free
         chunk only when it is at least twice the request, so outputs of more than half of
@@ -207,7 +216,7 @@ class Budget:
         else:
             largest_region = region - held.in_use - other_bytes
         grown = max(held.peak + other_bytes, total_bytes - largest_bytes)
-        return max(largest_region, limit - REGION_SLACK * grown)
+        return max(largest_region, limit - max(REGION_SLACK * grown, held.regions))
 
     def xla_overshoot(self, total_bytes: int, largest_bytes: int, held: Held = NOTHING_HELD, *,
                       other_bytes: int = 0, limit: int | None = None) -> float:
@@ -352,9 +361,12 @@ class Budget:
             grown = max(held.peak + outputs, total - block)
             which = ("the call's outputs and the allocator's peak" if held.peak + outputs >= total - block
                      else "XLA's other buffers (parameters, outputs, constants)")
-            left = limit - REGION_SLACK * grown
-            where = (f"regions of up to {REGION_SLACK:g}× {which}, {format_size(grown)}, leave "
-                     + (format_size(int(left)) if left >= 1 else "none") + f" of {format_size(limit)}")
+            regions = REGION_SLACK * grown
+            left = limit - max(regions, held.regions)
+            where = (f"regions of up to {REGION_SLACK:g}× {which}, {format_size(grown)}"
+                     + (f" (at least the allocator's first, {format_size(held.regions)})" if regions < held.regions
+                        else "")
+                     + ", leave " + (format_size(int(left)) if left >= 1 else "none") + f" of {format_size(limit)}")
             if held.peak and held.in_use:
                 where += f", and those it grew hold {format_size(held.in_use)} in use"
             found = f"only {format_size(int(room))}" if room >= 1 else "no room"
@@ -480,7 +492,9 @@ def allocator_held(device: str | None = None) -> Held:
     if kind == "CPU" and not grows:
         return NOTHING_HELD
     in_use, peak = _memory_info(f"{kind}:{index}")
-    return Held(in_use, peak if grows else 0)
+    if not grows:
+        return Held(in_use, 0)
+    return Held(in_use, peak, regions=BFC_FIRST_REGION if peak > 0 else 0)
 
 
 def _grows_in_regions(kind: str, index: int, environ: Mapping[str, str] | None = None) -> bool:

@@ -102,3 +102,29 @@ def test_a_pass_xla_decides_on_is_tried_where_the_plan_does_not_fit_and_not_kept
     assert tried.details["xla_without_bytes"] < 2**20 < 64 * 2**20 < tried.details["xla_with_bytes"]
     assert not [r for r in report.records if r.pass_name == XlaCheckedBigProduct.name]  # the plan without it ran
     assert report.fits is False and report.splits and report.xla_bytes_after < 2**20, str(report)
+
+
+def test_the_verdict_reads_the_allocator_after_the_last_check(x, monkeypatch) -> None:
+    # The checks after a plan is judged compile too (a variant not kept, the program as
+    # written), and the regions they grow stay: the verdict is the allocator's as it is
+    # when the call comes. Here the last check leaves a grown 16 MiB region (stubbed).
+    from tfmem import stages
+    from tfmem.budget import NOTHING_HELD, Held
+
+    grown = {"now": False}
+    monkeypatch.setattr(stages, "allocator_held", lambda device=None: Held(peak=16 * 2**20) if grown["now"]
+                        else NOTHING_HELD)
+    last_check = stages._never_worse_than_written
+
+    def then_grow(*args, **kwargs):
+        compiled = last_check(*args, **kwargs)
+        grown["now"] = True
+        return compiled
+
+    monkeypatch.setattr(stages, "_never_worse_than_written", then_grow)
+    wrapped = tfmem.TfmemFunction(lambda v: tf.exp(v) @ tf.transpose(v), config={"memory_budget": "16MiB"},
+                                  passes=[])
+    report = wrapped.report(x[:1200])  # XLA plans 11 MiB, a 11 MiB output: it fits beside nothing held
+    assert report.compiled.checked_plan is not None and report.compiled.held == Held(peak=16 * 2**20)
+    assert not report.fits, report.summary()
+    assert "the call's outputs and the allocator's peak" in report.summary()
