@@ -52,6 +52,8 @@ XLA_PEAK_RULE = "RecomputeAcrossXlaPeak"
 XLA_SHRINK_RULE = "ShrinkLoopAtXlaPeak"
 # The rule of `rewrites.split.earlier.reduce_before_xla_peak`: what XLA reduced at its peak, reduced first.
 XLA_EARLIER_RULE = "ReduceBeforeXlaPeak"
+# The rule of `rewrites.split.planner.Planner`: a region split into loop chunks (or why not).
+SPLIT_RULE = "SplitOversizedRegions"
 # The rules that act on XLA's peak (`PassContext.xla_peaks`): a plan they change is compiled and checked again.
 XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE})
 
@@ -288,9 +290,9 @@ class Report:
         for earlier in (r for r in self.splits if "before" in r.details):  # rewrites.split.earlier
             split += f"; {earlier.details['results']} reduced before XLA makes {earlier.details['before']}"
         if self.budget is None:
+            hint = "" if loops else self._why_nothing_split()
             if self.config.budget_off:
-                return f"no bound (memory_budget: off): {peaks}; {split}"
-            hint = "" if loops else " (no memory_budget set and none from the device)"
+                return f"no bound (memory_budget: off): {peaks}; {split}{hint}"
             return f"no budget: {peaks}; {split}{hint}"
         outcome = "fits" if self.fits else "does NOT fit"
         line = f"{outcome} {format_size(self.budget.nbytes)} ({self.budget.origin}): {peaks}; {split}"
@@ -312,6 +314,17 @@ class Report:
             if after is not None and after > self.budget.nbytes:
                 line += " — XLA's plan decides: the static estimate counts more than XLA keeps alive"
         return line
+
+    def _why_nothing_split(self) -> str:
+        """Why a program without a budget has no loop, for the summary: the splitter's own
+        reason where `tensor_size_threshold` asked for splits, else that nothing asked."""
+        threshold = self.config.tensor_size_threshold
+        refused = next((r for r in self.rejected if r.kind == "split" and r.rule == SPLIT_RULE), None)
+        if threshold is not None and refused is not None:
+            return f" (tensor_size_threshold {format_size(threshold)}: {refused.reason})"
+        if threshold is None and not self.config.budget_off:
+            return " (no memory_budget set and none from the device)"
+        return ""
 
     def __str__(self) -> str:
         lines = [self.summary(),

@@ -35,7 +35,7 @@ from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, node_inputs
 from tfmem.memory import WHILE_LOOP_OPS, MemoryEstimate, estimate_memory, graph_node_for
 from tfmem.passes import RewriteRecord
-from tfmem.report import XLA_SHRINK_RULE
+from tfmem.report import SPLIT_RULE, XLA_SHRINK_RULE
 
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
 from rewrites.split.diagonals import lower_diagonals
@@ -44,7 +44,7 @@ from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, r
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, evaluated_once, grow_region, mixed_in_loop
 from rewrites.split.sink import invariant_slots, loop_invariant, read_through_loops, sink_invariant
 
-RULE = "SplitOversizedRegions"
+RULE = SPLIT_RULE
 SINK_RULE = "RecomputeLoopInvariant"
 COLLECT_RULE = "CollectOuterProducts"
 _MAX_LOOPS = 64
@@ -191,8 +191,9 @@ class Planner:
             self._rollback(checkpoint)
             self.records.append(RewriteRecord(
                 self.pass_name, RULE, "rejected", (), f"splitting {', '.join(tensors)} would raise the "
-                f"program's peak from {format_size(before)} to {format_size(after)}: the loops keep more alive "
-                "than they save, so nothing is split", kind="split"))
+                f"program's peak from {format_size(before)} to {format_size(after)} (by {format_size(after - before)}, "
+                "what is not split decides it): the loops keep more alive than they save, so nothing is split",
+                kind="split"))
 
     def sink_all(self, limit: int, plan: int | None, split_size: int | None) -> None:
         """Recomputes every loop invariant over `limit` bytes inside its loop, in chunks

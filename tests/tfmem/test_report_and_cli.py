@@ -162,3 +162,29 @@ def test_console_script_from_the_users_directory(tmp_path: Path) -> None:
     assert proc.stderr == "", proc.stderr
     usage = subprocess.run([str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: tfmem COMMAND")
+
+
+def test_a_threshold_that_split_nothing_says_why() -> None:
+    # The fuzz round's GP prediction (mean, variances and their sum): the Cholesky factor and
+    # the solves decide the peak, so splitting the distances by the threshold would raise it
+    # and nothing is split; the summary said only "no memory_budget set", as if nothing had
+    # asked for a split.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y, xs = (tf.constant(rng.uniform(-3, 3, shape)) for shape in ((800, 2), (800, 1), (1200, 2)))
+
+    def sqd(a, b):
+        return tf.reduce_sum((a[:, None, :] - b[None, :, :]) ** 2, -1)
+
+    def predict(x, y, xs):
+        k = tf.exp(-0.5 * sqd(x, x)) + 0.05 * tf.eye(800, dtype=tf.float64)
+        a = tf.linalg.triangular_solve(tf.linalg.cholesky(k), tf.exp(-0.5 * sqd(x, xs)))
+        cov = tf.exp(-0.5 * sqd(xs, xs)) - tf.matmul(a, a, transpose_a=True)
+        return tf.matmul(a, y, transpose_a=True), tf.linalg.diag_part(cov), tf.linalg.trace(cov)
+
+    for config in ({"tensor_size_threshold": "100KB"}, {"tensor_size_threshold": "100KB", "memory_budget": "off"}):
+        report = tfmem.function(predict, config=config).report(x, y, xs)
+        summary = report.summary()
+        assert not report.splits, summary
+        assert "tensor_size_threshold 97.7 KiB: splitting" in summary and "no memory_budget set" not in summary, summary
