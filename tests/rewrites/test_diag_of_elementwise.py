@@ -85,14 +85,14 @@ BINARY = {"add": tf.add, "sub": tf.subtract, "mul": tf.multiply, "div": lambda a
 
 
 @st.composite
-def expressions(draw: Any, depth: int = 3) -> Any:
-    """("leaf", shape) | ("unary", name, e) | ("binary", name, e, e): one side's shape is always a matrix."""
+def expressions(draw: Any, shapes: dict[str, tuple[int, ...]] = SHAPES, depth: int = 3) -> Any:
+    """("leaf", shape name) | ("unary", name, e) | ("binary", name, e, e), leaves named in `shapes`."""
     if depth == 0 or draw(st.integers(0, 3)) == 0:
-        return ("leaf", draw(st.sampled_from(sorted(SHAPES))))
+        return ("leaf", draw(st.sampled_from(sorted(shapes))))
     if draw(st.booleans()):
-        return ("unary", draw(st.sampled_from(sorted(UNARY))), draw(expressions(depth=depth - 1)))
-    return ("binary", draw(st.sampled_from(sorted(BINARY))), draw(expressions(depth=depth - 1)),
-            draw(expressions(depth=depth - 1)))
+        return ("unary", draw(st.sampled_from(sorted(UNARY))), draw(expressions(shapes, depth - 1)))
+    return ("binary", draw(st.sampled_from(sorted(BINARY))), draw(expressions(shapes, depth - 1)),
+            draw(expressions(shapes, depth - 1)))
 
 
 def leaves(expression: Any) -> list[str]:
@@ -151,19 +151,8 @@ REDUCTIONS = {"sum": tf.reduce_sum, "mean": tf.reduce_mean, "max": tf.reduce_max
               "prod": lambda t, axis: tf.reduce_prod(tf.tanh(t) + 1.5, axis)}
 
 
-@st.composite
-def pairwise_expressions(draw: Any, depth: int = 3) -> Any:
-    """As `expressions`, over `PAIR_SHAPES`."""
-    if depth == 0 or draw(st.integers(0, 3)) == 0:
-        return ("leaf", draw(st.sampled_from(sorted(PAIR_SHAPES))))
-    if draw(st.booleans()):
-        return ("unary", draw(st.sampled_from(sorted(UNARY))), draw(pairwise_expressions(depth=depth - 1)))
-    return ("binary", draw(st.sampled_from(sorted(BINARY))), draw(pairwise_expressions(depth=depth - 1)),
-            draw(pairwise_expressions(depth=depth - 1)))
-
-
 @settings(deadline=None, max_examples=30, derandomize=True, database=None)
-@given(expression=pairwise_expressions(), reduction=st.sampled_from(sorted(REDUCTIONS)),
+@given(expression=expressions(PAIR_SHAPES), reduction=st.sampled_from(sorted(REDUCTIONS)),
        reader=st.sampled_from(["diag_part", "trace"]), dtype=st.sampled_from([np.float32, np.float64]),
        gradient=st.booleans(), seed=st.integers(0, 2**16))
 def test_diagonals_of_random_pairwise_reductions_equal_stock(expression, reduction, reader, dtype, gradient, seed):
