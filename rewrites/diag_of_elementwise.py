@@ -4,6 +4,7 @@
     diag_part(exp(−½ D))          →   exp(−½ diag_part(D))
     diag_part(a[:, None] + b)     →   a + b                     (a column's diagonal is itself, as is a row's)
     diag_part(X[0])               →   diag_part(X)[0]           (also tile, expand_dims: leading dimensions)
+    diag_part(Xᵀ)                 →   diag_part(X)
     diag_part(Σₖ (x[:, None, :] − y[None, :, :])²)
                                   →   Σₖ (x − y)²               (a pairwise map, reduced over its last axis)
 
@@ -69,8 +70,9 @@ _OTHER_ELEMENTWISE = frozenset({"Cast", "SelectV2", "Greater", "GreaterEqual", "
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
 # How many elementwise ops such an expression may have.
 _MAX_PAIRWISE_OPS = 32
-# Ops that only arrange leading (batch) dimensions, when they leave the last two whole.
-_LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims"})
+# Ops that only arrange leading (batch) dimensions, when they leave the last two whole (a
+# transpose may also swap those two: a matrix and its transpose share their diagonal).
+_LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims", "Transpose"})
 # Why a diagonal is not this rule's to record (a product's is ContractDiagOfProduct's, say).
 _NOT_ELEMENTWISE = "not of an elementwise op's output"
 # How many diagonals one run pushes down, at most (each step adds a few small ops).
@@ -99,6 +101,7 @@ class DiagOfElementwise(GraphPass):
             if node is None:
                 break
             seen.add(node.name)
+            _merge_copies_into(graph, node)
             why = _why_not(graph, node)
             if why == _NOT_ELEMENTWISE:
                 continue
@@ -108,6 +111,30 @@ class DiagOfElementwise(GraphPass):
             records.append(_push_down(graph, node))
             graph.prune()  # the replaced diagonal and its matrix: the operands' own readers are now the new ones
         return PassResult(graph, any(r.status == "fired" for r in records), records)
+
+
+def _merge_copies_into(graph: Graph, node: node_def_pb2.NodeDef) -> None:
+    """Makes the readers of every other diagonal of `node`'s matrix, taken the same way, read
+    `node`: diagonals pushed down from several expressions meet at one matrix (a kernel matrix
+    in `K ∘ P − 2K`), and it is formed only if something else reads it."""
+    def key(other: node_def_pb2.NodeDef) -> tuple[object, ...] | None:
+        matrix, *rest = graph.inputs(other.name)
+        values = [graph.constant_value(ref) for ref in rest]
+        if any(v is None for v in values):
+            return None
+        return (other.op, matrix, tuple(np.asarray(v).tobytes() for v in values),
+                tuple(sorted((name, value.SerializeToString()) for name, value in other.attr.items()
+                             if not name.startswith("_"))))
+
+    mine = key(node)
+    if mine is None:
+        return
+    copies = [other for other in graph.nodes if other.op in DIAG_OPS and other.name != node.name
+              and key(other) == mine]
+    for other in copies:
+        graph.replace_all_uses(TensorRef(other.name), TensorRef(node.name))
+    if copies:
+        graph.prune()
 
 
 def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
@@ -137,6 +164,11 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         multiples = graph.constant_value(graph.inputs(producer.name)[1])
         if multiples is None or list(np.asarray(multiples)[-2:]) != [1, 1]:
             return f"{producer.name} tiles the matrix dimensions, or by multiples that are not constants"
+    if producer.op == "Transpose":
+        perm = graph.constant_value(graph.inputs(producer.name)[1])
+        rank = spec.shape.rank
+        if perm is None or list(np.asarray(perm)[:-2]) != list(range(rank - 2)):
+            return f"{producer.name} moves leading dimensions, or by a permutation that is not a constant"
     if producer.op == "ExpandDims":
         axis = graph.constant_value(graph.inputs(producer.name)[1])
         if axis is None or int(np.asarray(axis)) % spec.shape.rank > spec.shape.rank - 3:
@@ -173,6 +205,11 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
 
         def build(x: tf.Tensor) -> tf.Tensor:
             return tf.tile(tf.linalg.diag_part(x), multiples)
+        inputs = [operands[0]]
+    elif producer.op == "Transpose":
+
+        def build(x: tf.Tensor) -> tf.Tensor:
+            return tf.linalg.diag_part(x)
         inputs = [operands[0]]
     elif producer.op == "ExpandDims":
         axis = int(np.asarray(graph.constant_value(operands[1]))) % graph.spec(matrix).shape.rank

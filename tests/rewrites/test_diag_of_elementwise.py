@@ -207,3 +207,50 @@ def test_a_reduction_over_a_matrix_dimension_is_left_alone(rng):
     [record] = [r for r in wrapped.report(t).records if r.rule == "DiagOfElementwise"]
     assert record.status == "rejected" and "last axis" in record.reason
     np.testing.assert_allclose(wrapped(t).numpy(), tf.function(fn, jit_compile=True)(t).numpy(), rtol=1e-12)
+
+
+def test_several_diagonals_of_one_matrix_form_none(rng):
+    """The fuzz round's diagonals (`diag_part_of_products_and_elementwise_f64`): a product P and a
+    kernel K each reach several diagonals, one of them through Pᵀ. Pushed down, the diagonals of
+    each meet at one matrix; merged, it has one reader, and neither is formed."""
+    def fn(a, b, x):
+        p = a @ tf.transpose(b)
+        k = tf.exp(-0.5 * tf.reduce_sum((x[:, None, :] - x[None, :, :]) ** 2, -1))
+        return (tf.linalg.diag_part(p), tf.linalg.diag_part(k * p - 2.0 * k),
+                tf.linalg.diag_part(tf.exp(-p / 40.0) + tf.transpose(p)))
+
+    args = [tf.constant(rng.normal(size=shape)) for shape in ((N, 5), (N, 5), (N, 2))]
+    wrapped = rewrite(fn)
+    assert_close(wrapped(*args), tf.function(fn, jit_compile=True)(*args), tf.float64)
+    assert square_matrices(wrapped, *args) == []
+
+
+TRANSPOSES = {"none": lambda m: m, "matrix_transpose": tf.linalg.matrix_transpose,
+              "batch_kept": lambda m: tf.transpose(m, [0, 2, 1]), "batch_moved": lambda m: tf.transpose(m, [1, 0, 2])}
+
+
+@settings(deadline=None, max_examples=25, derandomize=True, database=None)
+@given(first=expressions(), second=expressions(), transpose=st.sampled_from(sorted(TRANSPOSES)),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
+def test_random_diagonals_sharing_a_matrix_equal_stock(first, second, transpose, dtype, seed):
+    """Two random elementwise expressions over one shared [2, N, N] matrix (and their own
+    operands), one of them through a transpose, and a diagonal of each: the same values as
+    stock XLA's; a transpose that moves a batch dimension is left alone."""
+    shapes = [SHAPES[name] for name in leaves(first) + leaves(second)] + [SHAPES["batch"]]
+
+    def fn(*tensors):
+        shared = tf.exp(tensors[-1])
+        own = list(tensors[:-1])
+        one = evaluate(first, own[:len(leaves(first))]) + shared
+        two = TRANSPOSES[transpose](evaluate(second, own[len(leaves(first)):]) * shared)
+        return tf.linalg.diag_part(one), tf.linalg.diag_part(two)
+
+    rng = np.random.default_rng(seed)
+    args = [tf.constant(rng.normal(size=shape).astype(dtype)) for shape in shapes]
+    wrapped = rewrite(fn)
+    for got, want in zip(wrapped(*args), tf.function(fn, jit_compile=True)(*args)):
+        tolerance = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=tolerance,
+                                   atol=tolerance * max(1.0, np.max(np.abs(want.numpy()))))
+    if transpose != "batch_moved":
+        assert square_matrices(wrapped, *args) == []
