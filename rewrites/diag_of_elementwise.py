@@ -52,6 +52,7 @@ from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.diag_of_product import DIAG_OPS
+from rewrites.merge_duplicates import attrs_key
 
 RULE = "DiagOfElementwise"
 
@@ -65,6 +66,7 @@ _BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maxim
 # and the comparisons that make a `tf.where`'s condition.
 _OTHER_ELEMENTWISE = frozenset({"Cast", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
                                 "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot"})
+_ELEMENTWISE = _UNARY | _BINARY | _OTHER_ELEMENTWISE
 # Reductions whose diagonal, over the last axis of a [..., n, n, d] expression, is the
 # reduction of the expression's diagonal pairs.
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
@@ -122,9 +124,7 @@ def _merge_copies_into(graph: Graph, node: node_def_pb2.NodeDef) -> None:
         values = [graph.constant_value(ref) for ref in rest]
         if any(v is None for v in values):
             return None
-        return (other.op, matrix, tuple(np.asarray(v).tobytes() for v in values),
-                tuple(sorted((name, value.SerializeToString()) for name, value in other.attr.items()
-                             if not name.startswith("_"))))
+        return (other.op, matrix, tuple(np.asarray(v).tobytes() for v in values), attrs_key(other))
 
     mine = key(node)
     if mine is None:
@@ -144,7 +144,7 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         return problem
     matrix = graph.inputs(node.name)[0]
     producer = graph.node(matrix.node)
-    if producer.op not in _UNARY | _BINARY | _OTHER_ELEMENTWISE | _LEADING_SHAPE_OPS | _REDUCTIONS:
+    if producer.op not in _ELEMENTWISE | _LEADING_SHAPE_OPS | _REDUCTIONS:
         return _NOT_ELEMENTWISE
     spec = graph.spec(matrix)
     if not spec.shape.is_fully_defined() or spec.shape.rank < 2 or spec.shape[-1] != spec.shape[-2]:
@@ -262,7 +262,7 @@ def _pairwise_expression(graph: Graph, reduction: node_def_pb2.NodeDef) -> tuple
         return f"{reduction.name} does not reduce {expression.name}'s last axis alone, dropping it"
 
     def elementwise(name: str) -> bool:
-        return (graph.node(name).op in _UNARY | _BINARY | _OTHER_ELEMENTWISE
+        return (graph.node(name).op in _ELEMENTWISE
                 and len(graph.output_specs(name)) == 1 and not graph.is_output(TensorRef(name)))
 
     if not elementwise(expression.node) or {r for r, _ in graph.consumers(expression)} != {reduction.name}:

@@ -103,10 +103,14 @@ def _key(graph: Graph, node: node_def_pb2.NodeDef, reads_are_values: bool) -> tu
         return None
     if is_stateful(node) and not (node.op == "ReadVariableOp" and reads_are_values):
         return None
-    attrs = tuple(sorted((key, value.SerializeToString(deterministic=True))
-                         for key, value in node.attr.items() if not key.startswith("_")))
-    return (node.op, node.device, attrs, tuple(graph.inputs(node.name)),
+    return (node.op, node.device, attrs_key(node), tuple(graph.inputs(node.name)),
             tuple(sorted(graph.control_inputs(node.name))))
+
+
+def attrs_key(node: node_def_pb2.NodeDef) -> tuple[tuple[str, bytes], ...]:
+    """`node`'s attrs as a comparable value, those TensorFlow names with `_` aside."""
+    return tuple(sorted((key, value.SerializeToString(deterministic=True))
+                        for key, value in node.attr.items() if not key.startswith("_")))
 
 
 def _read_twice(graph: Graph) -> bool:

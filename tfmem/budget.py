@@ -215,8 +215,12 @@ class Budget:
             largest_region = 0.0
         else:
             largest_region = region - held.in_use - other_bytes
-        grown = max(held.peak + other_bytes, total_bytes - largest_bytes)
-        return max(largest_region, limit - max(REGION_SLACK * grown, held.regions))
+        return max(largest_region, limit - self._grown_before(total_bytes, largest_bytes, held, other_bytes))
+
+    @staticmethod
+    def _grown_before(total_bytes: int, largest_bytes: int, held: Held, other_bytes: int) -> float:
+        """The regions held once what comes before the block has allocated (`block_room`)."""
+        return max(REGION_SLACK * max(held.peak + other_bytes, total_bytes - largest_bytes), held.regions)
 
     def xla_overshoot(self, total_bytes: int, largest_bytes: int, held: Held = NOTHING_HELD, *,
                       other_bytes: int = 0, limit: int | None = None) -> float:
@@ -361,11 +365,10 @@ class Budget:
             grown = max(held.peak + outputs, total - block)
             which = ("the call's outputs and the allocator's peak" if held.peak + outputs >= total - block
                      else "XLA's other buffers (parameters, outputs, constants)")
-            regions = REGION_SLACK * grown
-            left = limit - max(regions, held.regions)
+            left = limit - self._grown_before(total, block, held, outputs)
             where = (f"regions of up to {REGION_SLACK:g}× {which}, {format_size(grown)}"
-                     + (f" (at least the allocator's first, {format_size(held.regions)})" if regions < held.regions
-                        else "")
+                     + (f" (at least the allocator's first, {format_size(held.regions)})"
+                        if REGION_SLACK * grown < held.regions else "")
                      + ", leave " + (format_size(int(left)) if left >= 1 else "none") + f" of {format_size(limit)}")
             if held.peak and held.in_use:
                 where += f", and those it grew hold {format_size(held.in_use)} in use"
