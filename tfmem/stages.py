@@ -337,18 +337,20 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
                                   input_signature=input_signature, name=name, xla_checked=checked)
     best = _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
                                      name=name)
-    return _judged_as_the_allocator_is(best, budget)
+    return judged_as_the_allocator_is(best)
 
 
-def _judged_as_the_allocator_is(compiled: Compiled, budget: Budget) -> Compiled:
+def judged_as_the_allocator_is(compiled: Compiled) -> Compiled:
     """`compiled`'s plan judged beside what the allocator holds now, before its call.
 
     The checks made after the plan was judged compile too, and the regions they grow stay:
     a variant XLA was asked about and not kept, the program as written. (A CG solve's
     gradient under 76 MiB: 0.2 MiB held when its plan was judged to fit, 15.3 MiB after
-    XLA compiled a variant of it, and the call's 74.2 MiB block found no room.)
+    XLA compiled a variant of it, and the call's 74.2 MiB block found no room.) A plan
+    another process made, or another replica, was judged beside that allocator, not this.
     """
-    if compiled.checked_plan is None:
+    budget = compiled.rewritten.budget
+    if compiled.checked_plan is None or budget is None:
         return compiled
     held = allocator_held()
     if held == compiled.held:

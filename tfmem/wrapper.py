@@ -48,7 +48,7 @@ from tfmem.memory import xla_planned_bytes
 from tfmem.passes import GraphPass, default_pipeline
 from tfmem.plan_cache import PlanCache, checked_plan
 from tfmem.report import Report
-from tfmem.stages import Compiled, Traced, compile_within_budget
+from tfmem.stages import Compiled, Traced, compile_within_budget, judged_as_the_allocator_is
 
 logger = logging.getLogger(__name__)
 
@@ -405,8 +405,8 @@ class TfmemFunction:
         if shared is not None:
             again = shared.rewritten.for_trace(traced).compile(input_signature=self._input_signature,
                                                                name=f"tfmem_{self._scope}")
-            return dataclasses.replace(again, checked_plan=shared.checked_plan, xla_overshoot=shared.xla_overshoot,
-                                       held=shared.held)
+            return judged_as_the_allocator_is(dataclasses.replace(
+                again, checked_plan=shared.checked_plan, xla_overshoot=shared.xla_overshoot, held=shared.held))
         if config.plan_cache is not None and self._passes is None:
             compiled = self._compile_cached(traced, config, args, kwargs, budget, key[0])
         else:
@@ -429,8 +429,9 @@ class TfmemFunction:
         if found is not None:
             rewritten, xla = found
             plan, overshoot, held = checked_plan(xla)
-            return dataclasses.replace(rewritten.compile(input_signature=self._input_signature, name=name),
-                                       checked_plan=plan, xla_overshoot=overshoot, held=held)
+            return judged_as_the_allocator_is(dataclasses.replace(
+                rewritten.compile(input_signature=self._input_signature, name=name),
+                checked_plan=plan, xla_overshoot=overshoot, held=held))
         compiled = compile_within_budget(traced, config, args, kwargs, passes=None, lint=self._lint,
                                          budget=budget, input_signature=self._input_signature, name=name)
         try:

@@ -182,3 +182,21 @@ def test_a_plan_made_in_another_process_runs(inputs, tmp_path) -> None:
     np.testing.assert_allclose(here(*inputs).numpy(), _expected(inputs), rtol=1e-10)
     report = here.report(*inputs)
     assert report.plan_from_cache and report.splits and report.summary() == made.value
+
+
+def test_a_plan_from_the_plan_cache_is_judged_beside_this_process_allocator(inputs, tmp_path, monkeypatch) -> None:
+    # A cached plan was judged beside the allocator of the process that made it. Here this
+    # process's allocator holds 7 MiB already (stubbed), and the call's 2.4 MiB plan does not
+    # fit beside it under 8 MiB: the verdict says so.
+    from tfmem.budget import Held
+
+    monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
+    config = {"memory_budget": "8MiB", "plan_cache": str(tmp_path)}
+    first = tfmem.function(kernel_times, config=config)
+    first(*inputs)
+    assert first.report(*inputs).fits and first.report(*inputs).xla_bytes_after is not None
+    monkeypatch.setattr(stages, "allocator_held", lambda device=None: Held(in_use=7 * 2**20, peak=8 * 2**20,
+                                                                         regions=2 * 2**20))
+    second = tfmem.function(kernel_times, config=config)
+    report = second.report(*inputs)
+    assert report.plan_from_cache and not report.fits, report.summary()
