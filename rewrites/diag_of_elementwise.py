@@ -1,6 +1,7 @@
 """The diagonal of an elementwise expression, taken of its operands instead.
 
     diag_part(A − B)              →   diag_part(A) − diag_part(B)
+    diag_part(A + B + C)          →   diag_part(A) + diag_part(B) + diag_part(C)     (AddN)
     diag_part(exp(−½ D))          →   exp(−½ diag_part(D))
     diag_part(a[:, None] + b)     →   a + b                     (a column's diagonal is itself, as is a row's)
     diag_part(X[0])               →   diag_part(X)[0]           (also tile, expand_dims: leading dimensions)
@@ -23,7 +24,7 @@ vector `[n]` (a row) or a scalar stay as they are.
 Conditions (rejections carry these reasons):
     * the diagonal is the main one (`k = 0`) of a square matrix with static shapes;
     * the matrix is read only by the diagonal (otherwise it is formed anyway);
-    * its op is elementwise (`_UNARY`, `_BINARY`, a cast, `tf.where` and its comparisons)
+    * its op is elementwise (`_UNARY`, `_BINARY`, `AddN`, a cast, `tf.where` and its comparisons)
       with a real, complex or boolean result, or arranges leading dimensions only (a strided
       slice, a tile, an added axis that leaves the last two dimensions whole: GPflow tiles a
       covariance over its latent GPs);
@@ -63,9 +64,10 @@ _UNARY = frozenset({"Identity", "Neg", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "
 _BINARY = frozenset({"Add", "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "Maximum", "Minimum", "Pow",
                      "SquaredDifference", "MulNoNan"})
 # Also elementwise, with their own attrs or a third operand (`tf.where`'s, broadcast too),
-# and the comparisons that make a `tf.where`'s condition.
+# the comparisons that make a `tf.where`'s condition, and `AddN` (a list of operands of one
+# shape: GPflow's `Sum` kernel, and gradients summed over several readers).
 _OTHER_ELEMENTWISE = frozenset({"Cast", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
-                                "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot"})
+                                "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "AddN"})
 _ELEMENTWISE = _UNARY | _BINARY | _OTHER_ELEMENTWISE
 # Reductions whose diagonal, over the last axis of a [..., n, n, d] expression, is the
 # reduction of the expression's diagonal pairs.
@@ -240,9 +242,11 @@ def _apply(node: node_def_pb2.NodeDef, operands: list[tf.Tensor]) -> tf.Tensor:
     op: Callable[..., tf.Tensor] = getattr(tf.raw_ops, node.op)
     # The op's own argument names (`x`, `y`; `features` for Relu, `input` for Identity), and a
     # cast's target type (the only attr a build would not infer from the operands).
-    names = [arg.name for arg in op_def_registry.get(node.op).input_arg]
+    args = op_def_registry.get(node.op).input_arg
     attrs = {"DstT": tf.as_dtype(node.attr["DstT"].type)} if node.op == "Cast" else {}
-    return op(**dict(zip(names, operands)), **attrs)
+    if len(args) == 1 and args[0].number_attr:  # one list argument (AddN's `inputs`): all operands
+        return op(**{args[0].name: operands}, **attrs)
+    return op(**{arg.name: x for arg, x in zip(args, operands)}, **attrs)
 
 
 def _pairwise_expression(graph: Graph, reduction: node_def_pb2.NodeDef) -> tuple[list[str], list[TensorRef]] | str:

@@ -50,6 +50,20 @@ def test_a_predictive_variance_forms_no_square_matrix(rng):
     assert square_matrices(wrapped, *args) == []
 
 
+def test_the_diagonal_of_a_sum_kernel_forms_no_square_matrix(rng):
+    """GPflow's `Sum` kernel adds its parts with `AddN`: the diagonal goes into each part."""
+    def variance(xs, a):
+        squared = tf.reduce_sum(tf.square(xs[:, None, :] - xs[None, :, :]), -1)
+        kss = tf.add_n([tf.exp(-0.5 * squared), tf.matmul(xs, xs, transpose_b=True), 1.0 / (1.0 + squared)])
+        return tf.linalg.diag_part(kss - tf.matmul(a, a, transpose_a=True))
+
+    xs, a = tf.constant(rng.normal(size=(N, 3))), tf.constant(rng.normal(size=(7, N)))
+    wrapped = rewrite(variance)
+    assert "AddN" in [r.details.get("op") for r in wrapped.report(xs, a).fired]
+    assert square_matrices(wrapped, xs, a) == []
+    assert_close(wrapped(xs, a), tf.function(variance, jit_compile=True)(xs, a), tf.float64)
+
+
 def test_a_matrix_read_elsewhere_is_left_formed(rng):
     def fn(x, y):
         k = tf.exp(x - y)
@@ -81,7 +95,8 @@ UNARY = {"exp": tf.exp, "neg": tf.negative, "square": tf.square, "tanh": tf.tanh
          "cast_round_trip": lambda a: tf.cast(tf.cast(a, tf.float32 if a.dtype == tf.float64 else tf.float64), a.dtype)}
 BINARY = {"add": tf.add, "sub": tf.subtract, "mul": tf.multiply, "div": lambda a, b: a / (1.5 + tf.abs(b)),
           "max": tf.maximum, "squared_difference": tf.math.squared_difference,
-          "where": lambda a, b: tf.where(a > b, a, -b)}
+          "where": lambda a, b: tf.where(a > b, a, -b),
+          "add_n": lambda a, b: tf.add_n([a + b, a * b, tf.maximum(a, b)])}
 
 
 @st.composite
