@@ -22,6 +22,8 @@ block of the product beside the accumulator, not a whole second [M, M]:
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -251,19 +253,19 @@ def written_out(graph: Graph, region: SliceRegion, max_write_out: int, *,
     return [ref for ref in region.write_outs(graph) if ref not in whole]
 
 
-def even_chunk(size: int, chunk: int) -> int:
-    """`chunk`, or the largest divisor of `size` at most a quarter below it.
+def even_chunk(size: int, chunk: int, *, down_to: float = 0.75) -> int:
+    """`chunk`, or the largest divisor of `size` no smaller than `down_to × chunk`.
 
     A loop whose chunks do not divide its length computes a remainder chunk after the
     others, and joins what it writes out to theirs with a copy of the whole tensor.
 
     Example:
-        >>> even_chunk(3000, 314), even_chunk(3001, 314)
-        (300, 314)
+        >>> even_chunk(3000, 314), even_chunk(3001, 314), even_chunk(20000, 395, down_to=0.5)
+        (300, 314, 250)
     """
     if chunk >= size:
         return chunk  # one trip: no remainder
-    for candidate in range(chunk, max(1, -(-3 * chunk // 4)) - 1, -1):
+    for candidate in range(chunk, max(1, math.ceil(down_to * chunk)) - 1, -1):
         if size % candidate == 0:
             return candidate
     return chunk

@@ -98,6 +98,7 @@ def test_a_loop_xla_peaks_in_takes_the_smaller_chunks_xla_asks_for(kernel_inputs
     planner.shrink_at_xla_peaks([peak], goal=peak.peak_bytes - over)
     (shrunk,) = planner.loops
     assert shrunk.chunk <= math.floor(loop.chunk * 3.5 / 5 * 0.9) and shrunk.chunks > loop.chunks, (loop, shrunk)
+    assert N % shrunk.chunk == 0, shrunk  # a divisor within half the chunk asked for: no remainder body
     (fired,) = [r for r in planner.records if r.rule == XLA_SHRINK_RULE]
     assert fired.status == "fired" and fired.details["chunk"] == shrunk.chunk, fired
     assert f"XLA peaks in loop {loop.scope} ({loop.chunks} chunks of {loop.chunk})" in fired.reason
@@ -217,7 +218,7 @@ def test_a_program_whose_inputs_fill_the_allocator_is_not_said_to_fit() -> None:
     outcome = background.result("gram_loss_under_a_limit")
     assert outcome["fits"] == (outcome["status"] == "ok"), outcome
     if not outcome["fits"]:
-        assert "the allocator holds" in outcome["summary"], outcome["summary"]
+        assert "the allocator" in outcome["summary"], outcome["summary"]  # what it holds, or the regions it grew
 
 
 def test_without_a_budget_or_threshold_nothing_is_split(kernel_inputs) -> None:
