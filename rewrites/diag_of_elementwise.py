@@ -23,7 +23,10 @@ vector `[n]` (a row) or a scalar stay as they are.
 
 Conditions (rejections carry these reasons):
     * the diagonal is the main one (`k = 0`) of a square matrix with static shapes;
-    * the matrix is read only by the diagonal (otherwise it is formed anyway);
+    * the matrix is not one of the program's outputs (then it is formed whole anyway). A
+      matrix other ops read too is still formed for them, but no longer read whole by its
+      diagonal, which takes a few vector ops more: the splitter may then compute it in
+      chunks for those readers (`K @ v` beside `diag(K)`, `trace(K)`);
     * its op is elementwise (`_UNARY`, `_BINARY`, `AddN`, a cast, `tf.where` and its comparisons)
       with a real, complex or boolean result, or arranges leading dimensions only (a strided
       slice, a tile, an added axis that leaves the last two dimensions whole: GPflow tiles a
@@ -153,10 +156,8 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         return f"{matrix.name} is {spec.shape}, not a square matrix of static shape"
     if not (spec.dtype.is_floating or spec.dtype.is_complex or spec.dtype == tf.bool):
         return f"{matrix.name} is {spec.dtype.name}"
-    readers = {reader for reader, _ in graph.consumers(matrix)}
-    if readers != {node.name} or graph.is_output(matrix):
-        others = sorted(readers - {node.name}) or ["the program's outputs"]
-        return f"{matrix.name} is also read by {others[0]}: it is formed anyway"
+    if _returned(graph, matrix):
+        return f"{matrix.name} is one of the program's outputs: it is formed whole anyway"
     if producer.op in _REDUCTIONS:
         found = _pairwise_expression(graph, producer)
         return found if isinstance(found, str) else None
@@ -176,6 +177,12 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         if axis is None or int(np.asarray(axis)) % spec.shape.rank > spec.shape.rank - 3:
             return f"{producer.name} adds a matrix dimension, not a leading one"
     return None
+
+
+def _returned(graph: Graph, tensor: TensorRef) -> bool:
+    """Whether the program returns `tensor`, itself or through identities."""
+    return graph.is_output(tensor) or any(graph.node(reader).op == "Identity" and _returned(graph, TensorRef(reader))
+                                          for reader, _ in graph.consumers(tensor))
 
 
 def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
