@@ -31,6 +31,18 @@ def square_matrices(function: tfmem.TfmemFunction, *args: Any) -> list[str]:
             and spec.shape[-2:] == [N, N]]
 
 
+def rewritten_equals_stock(fn: Callable[..., Any], shapes: list[tuple[int, ...]], dtype: Any, gradient: bool,
+                           seed: int) -> tuple[tfmem.TfmemFunction, list[tf.Tensor]]:
+    """`fn` (with its gradients, if asked) rewritten, checked against stock XLA on random
+    arguments of these shapes; the rewritten function and the arguments."""
+    rng = np.random.default_rng(seed)
+    args = [tf.constant(rng.normal(size=shape).astype(dtype)) for shape in shapes]
+    program = with_gradient(fn) if gradient else fn
+    wrapped = rewrite(program)
+    assert_close(wrapped(*args), tf.function(program, jit_compile=True)(*args), tf.as_dtype(dtype))
+    return wrapped, args
+
+
 def predictive_variance(kss_points, x, a):
     """GPflow's full covariance, tiled over one latent GP, then only its diagonal: `Kss − AᵀA`."""
     d2 = tf.reduce_sum(kss_points ** 2, -1)[:, None] + tf.reduce_sum(kss_points ** 2, -1)[None, :] \
@@ -210,11 +222,7 @@ def test_diagonals_of_random_pairwise_reductions_equal_stock(expression, reducti
             matrix = matrix[None]
         return tf.linalg.trace(matrix) if reader == "trace" else tf.linalg.diag_part(matrix)
 
-    rng = np.random.default_rng(seed)
-    args = [tf.constant(rng.normal(size=shape).astype(dtype)) for shape in shapes]
-    program = with_gradient(fn) if gradient else fn
-    wrapped = rewrite(program)
-    assert_close(wrapped(*args), tf.function(program, jit_compile=True)(*args), tf.as_dtype(dtype))
+    wrapped, args = rewritten_equals_stock(fn, shapes, dtype, gradient, seed)
     if not gradient:
         statuses = [r.status for r in wrapped.report(*args).records if r.rule == "DiagOfElementwise"]
         assert "fired" in statuses, statuses
@@ -314,11 +322,7 @@ def test_random_diagonals_of_matrices_read_elsewhere_equal_stock(expression, rea
         matrix = evaluate(expression, list(tensors[:-1])) + tensors[-1] * tf.ones([2, 1, 1], tensors[-1].dtype)
         return tf.linalg.diag_part(matrix), OTHER_READERS[reader](matrix)
 
-    rng = np.random.default_rng(seed)
-    args = [tf.constant(rng.normal(size=shape).astype(dtype)) for shape in shapes]
-    program = with_gradient(fn) if gradient else fn
-    wrapped = rewrite(program)
-    assert_close(wrapped(*args), tf.function(program, jit_compile=True)(*args), tf.as_dtype(dtype))
+    wrapped, args = rewritten_equals_stock(fn, shapes, dtype, gradient, seed)
     if not gradient:
         statuses = [r.status for r in wrapped.report(*args).records if r.rule == "DiagOfElementwise"]
         assert statuses[0] == "fired", statuses
