@@ -4,7 +4,7 @@
     diag_part(A + B + C)          →   diag_part(A) + diag_part(B) + diag_part(C)     (AddN)
     diag_part(exp(−½ D))          →   exp(−½ diag_part(D))
     diag_part(a[:, None] + b)     →   a + b                     (a column's diagonal is itself, as is a row's)
-    diag_part(X[0])               →   diag_part(X)[0]           (also tile, expand_dims: leading dimensions)
+    diag_part(X[0])               →   diag_part(X)[0]           (also X[None, ...], tile, expand_dims: leading dimensions)
     diag_part(Xᵀ)                 →   diag_part(X)
     diag_part(Σₖ (x[:, None, :] − y[None, :, :])²)
                                   →   Σₖ (x − y)²               (a pairwise map, reduced over its last axis)
@@ -326,26 +326,51 @@ def _diagonal_of(x: tf.Tensor, n: int) -> tf.Tensor:
     return x[..., 0, :]  # a row [..., 1, n]
 
 
-def _leading_slice_problem(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
-    """Why the strided slice `node` does not leave its input's last two dimensions whole
-    (new axes among the leading ones are fine: `X[None]`)."""
+def _slice_spec(graph: Graph, node: node_def_pb2.NodeDef) -> tuple[list[np.ndarray], dict[str, int]] | None:
+    """The strided slice `node`'s begin, end, strides and masks, with an ellipsis spelled out
+    as the whole dimensions it stands for (GPflow's `var[None, ...]`); None when they are not
+    constants."""
     source, *spec_refs = graph.inputs(node.name)
     values = [graph.constant_value(ref) for ref in spec_refs]
     if any(v is None for v in values):
+        return None
+    begin, end, strides = (list(np.atleast_1d(np.asarray(v))) for v in values)
+    masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "shrink_axis_mask", "new_axis_mask")}
+    ellipsis = node.attr["ellipsis_mask"].i
+    if not ellipsis:
+        return [np.asarray(begin), np.asarray(end), np.asarray(strides)], masks
+    at = (ellipsis & -ellipsis).bit_length() - 1  # only the first ellipsis counts
+    reads = sum(1 for entry in range(len(begin)) if entry != at and not masks["new_axis_mask"] >> entry & 1)
+    whole = max(0, graph.spec(source).shape.rank - reads)
+    entries: list[tuple[int, int, int, dict[str, int]]] = []  # begin, end, stride, mask bits
+    for entry in range(len(begin)):
+        if entry == at:  # the dimensions it stands for, read whole: both masks set
+            entries += [(0, 0, 1, {"begin_mask": 1, "end_mask": 1})] * whole
+        else:
+            entries.append((begin[entry], end[entry], strides[entry],
+                            {key: masks[key] >> entry & 1 for key in masks}))
+    dtype = np.asarray(begin).dtype
+    spelled = [np.asarray([e[i] for e in entries], dtype=dtype) for i in range(3)]
+    return spelled, {key: sum(bits.get(key, 0) << i for i, (*_, bits) in enumerate(entries)) for key in masks}
+
+
+def _leading_slice_problem(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
+    """Why the strided slice `node` does not leave its input's last two dimensions whole
+    (new axes among the leading ones are fine: `X[None]`, `X[None, ...]`)."""
+    spec = _slice_spec(graph, node)
+    if spec is None:
         return f"{node.name}'s begin, end and strides are not constants"
-    if node.attr["ellipsis_mask"].i:
-        return f"{node.name} uses an ellipsis"
-    begin, end, strides = (np.atleast_1d(np.asarray(v)) for v in values)
-    shape = graph.spec(source).shape.as_list()
+    (begin, end, strides), masks = spec
+    shape = graph.spec(graph.inputs(node.name)[0]).shape.as_list()
     rank, axis = len(shape), 0  # `axis`: the input dimension the next entry reads
     for entry in range(len(begin)):
-        if node.attr["new_axis_mask"].i >> entry & 1:
+        if masks["new_axis_mask"] >> entry & 1:
             if axis > rank - 2:  # after the first matrix dimension
                 return f"{node.name} adds an axis among the matrix dimensions"
             continue
-        whole = ((node.attr["begin_mask"].i >> entry & 1 or begin[entry] == 0)
-                 and (node.attr["end_mask"].i >> entry & 1 or end[entry] >= shape[axis])
-                 and strides[entry] == 1 and not node.attr["shrink_axis_mask"].i >> entry & 1)
+        whole = ((masks["begin_mask"] >> entry & 1 or begin[entry] == 0)
+                 and (masks["end_mask"] >> entry & 1 or end[entry] >= shape[axis])
+                 and strides[entry] == 1 and not masks["shrink_axis_mask"] >> entry & 1)
         if axis >= rank - 2 and not whole:
             return f"{node.name} slices the matrix dimensions, not only leading ones"
         axis += 1
@@ -354,12 +379,13 @@ def _leading_slice_problem(graph: Graph, node: node_def_pb2.NodeDef) -> str | No
 
 def _slice_of_diagonal(graph: Graph, node: node_def_pb2.NodeDef) -> tuple[list[np.ndarray], dict[str, int]]:
     """The strided slice `node` (of leading dimensions only) as it applies to its input's
-    diagonal: without the entry that reads the last dimension, if it has one."""
-    source, *spec_refs = graph.inputs(node.name)
-    begin, end, strides = (np.atleast_1d(np.asarray(graph.constant_value(ref))) for ref in spec_refs)
-    masks = {key: node.attr[key].i for key in ("begin_mask", "end_mask", "shrink_axis_mask", "new_axis_mask")}
+    diagonal: without the entries that read the matrix dimensions (whole, so the diagonal's
+    one dimension is read whole too when only one of them is named)."""
+    spec = _slice_spec(graph, node)
+    assert spec is not None  # _leading_slice_problem found constants
+    (begin, end, strides), masks = spec
     read = sum(1 for entry in range(len(begin)) if not masks["new_axis_mask"] >> entry & 1)
-    if read == graph.spec(source).shape.rank:  # the last entry reads the last dimension (whole)
+    if read == graph.spec(graph.inputs(node.name)[0]).shape.rank:  # the last entry reads the last dimension (whole)
         last = len(begin) - 1
         begin, end, strides = begin[:last], end[:last], strides[:last]
         masks = {key: value & ~(1 << last) for key, value in masks.items()}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfmem
 from gpflow_integration import BatchedPredictor, predict_f, predict_y
 
 RTOL = 1e-6
@@ -76,3 +77,26 @@ def test_batched_predictions_with_splitting(regression_data, rng):
         np.testing.assert_allclose(got, want.numpy(), rtol=RTOL, atol=1e-10)
     report = predictor.functions["predict_y"].report(tf.constant(X_test[:100]))
     assert report.splits, str(report)
+
+
+@pytest.mark.parametrize("kind", ["gpr", "sgpr"])
+def test_variances_read_from_a_full_covariance_form_no_test_by_test_matrix(regression_data, rng, kind):
+    """`diag_part(cov[0])` and `trace(cov[0])` of `predict_f(full_cov=True)` with a sum kernel:
+    GPflow adds the kernels with `AddN` and SGPR adds the latent axis with `var[None, ...]`;
+    the diagonal goes through both, so no [n*, n*] matrix is formed."""
+    model = make_model(kind, regression_data)
+    model.kernel = model.kernel + gpflow.kernels.RationalQuadratic(lengthscales=2.0)
+    n_test = 300
+    x_test = tf.constant(rng.standard_normal((n_test, 3)))
+
+    def variances(xs):
+        _, cov = model.predict_f(xs, full_cov=True)
+        return tf.linalg.diag_part(cov[0]), tf.linalg.trace(cov[0])
+
+    wrapped = tfmem.function(variances)
+    graph = wrapped.report(x_test).rewritten.graph
+    formed = [node.name for node in graph.nodes for spec in graph.output_specs(node.name)
+              if spec.shape.rank and spec.shape.as_list()[-2:] == [n_test, n_test]]
+    assert formed == [], formed
+    for got, want in zip(wrapped(x_test), variances(x_test)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL)

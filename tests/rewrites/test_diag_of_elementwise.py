@@ -115,13 +115,16 @@ def test_a_kernel_read_by_its_diagonal_and_a_product_is_split_under_a_budget(rng
     assert_close(wrapped(x, v), tf.function(fn, jit_compile=True)(x, v), tf.float64)
 
 
-def test_a_slice_of_the_matrix_dimensions_stays(rng):
+@pytest.mark.parametrize("cut", [lambda m: m[:, 1:, 1:], lambda m: m[..., 1:, 1:], lambda m: m[None, ..., ::-1]],
+                         ids=["slice", "after_ellipsis", "reversed_after_ellipsis"])
+def test_a_slice_of_the_matrix_dimensions_stays(rng, cut):
     def fn(x):
-        return tf.linalg.diag_part(tf.exp(x)[:, 1:, 1:])
+        return tf.linalg.diag_part(cut(tf.exp(x)))
 
     x = tf.constant(rng.normal(size=(2, N + 1, N + 1)))
     wrapped = rewrite(fn)
-    assert [r.status for r in wrapped.report(x).records if r.rule == "DiagOfElementwise"][0] == "rejected"
+    [record] = [r for r in wrapped.report(x).records if r.rule == "DiagOfElementwise"]
+    assert record.status == "rejected" and "slices the matrix dimensions" in record.reason, record
     np.testing.assert_array_equal(wrapped(x).numpy(), tf.function(fn, jit_compile=True)(x).numpy())
 
 
@@ -164,7 +167,8 @@ def evaluate(expression: Any, tensors: list[tf.Tensor]) -> tf.Tensor:
 
 
 @settings(deadline=None, max_examples=40, derandomize=True, database=None)
-@given(expression=expressions(), arrange=st.sampled_from(["none", "slice", "tile", "expand", "new_axis"]),
+@given(expression=expressions(), arrange=st.sampled_from(["none", "slice", "tile", "expand", "new_axis",
+                                                          "ellipsis_new_axis", "ellipsis_index"]),
        dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
 def test_diagonals_of_random_expressions_equal_stock(expression, arrange, dtype, seed):
     """Random elementwise expressions over operands of every broadcast shape (plus a matrix, so
@@ -182,6 +186,10 @@ def test_diagonals_of_random_expressions_equal_stock(expression, arrange, dtype,
             matrix = tf.expand_dims(matrix, 0)
         elif arrange == "new_axis":
             matrix = matrix[None, :1]
+        elif arrange == "ellipsis_new_axis":  # GPflow's `var[None, ...]`
+            matrix = matrix[None, ...]
+        elif arrange == "ellipsis_index":
+            matrix = matrix[1, ..., :, :]
         return tf.linalg.diag_part(matrix)
 
     rng = np.random.default_rng(seed)
