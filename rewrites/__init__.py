@@ -21,6 +21,7 @@ from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
 from rewrites.diag_of_elementwise import DiagOfElementwise
 from rewrites.diag_of_product import ContractDiagOfProduct
+from rewrites.einsum_diagonal import EinsumAsDiagonal
 from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
 from rewrites.scale_by_diagonal import ScaleByDiagonal
@@ -31,9 +32,8 @@ from tfmem.passes import GraphPass
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, MergeDuplicates, GrapplerCleanup,
                 DropOrderOnlyControlEdges),
-    "match_and_replace": (EinsumAsMatMul, ExpandSquaredDistance, AddDiagonal, LeanCholeskyGradient,
-                          SolveInsteadOfInverse, ComposeTransposes,
-                          ComposeBandParts),
+    "match_and_replace": (EinsumAsMatMul, EinsumAsDiagonal, ExpandSquaredDistance, AddDiagonal,
+                          LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts),
     "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
     "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, SolveInPlace),
