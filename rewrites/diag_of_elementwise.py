@@ -5,6 +5,7 @@
     diag_part(exp(−½ D))          →   exp(−½ diag_part(D))
     diag_part(a[:, None] + b)     →   a + b                     (a column's diagonal is itself, as is a row's)
     diag_part(X[0])               →   diag_part(X)[0]           (also X[None, ...], tile, expand_dims: leading dimensions)
+    diag_part(stack([X, Y]))      →   stack([diag_part(X), diag_part(Y)])     (and concat, along a leading axis)
     diag_part(Xᵀ)                 →   diag_part(X)
     diag_part(Σₖ (x[:, None, :] − y[None, :, :])²)
                                   →   Σₖ (x − y)²               (a pairwise map, reduced over its last axis)
@@ -30,7 +31,7 @@ Conditions (rejections carry these reasons):
     * its op is elementwise (`_UNARY`, `_BINARY`, `AddN`, a cast, `tf.where` and its comparisons)
       with a real, complex or boolean result, or arranges leading dimensions only (a strided
       slice, a tile, an added axis that leaves the last two dimensions whole: GPflow tiles a
-      covariance over its latent GPs);
+      covariance over its latent GPs; a stack or concat along a leading axis);
     * or it reduces (`_REDUCTIONS`) the last axis of a `[..., n, n, d]` elementwise expression
       read only inside itself (a kernel matrix written with broadcasts, which XLA keeps
       unexpanded for few features): its diagonal is the reduction of the expression over the
@@ -79,7 +80,7 @@ _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
 _MAX_PAIRWISE_OPS = 32
 # Ops that only arrange leading (batch) dimensions, when they leave the last two whole (a
 # transpose may also swap those two: a matrix and its transpose share their diagonal).
-_LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims", "Transpose"})
+_LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims", "Transpose", "Pack", "ConcatV2"})
 # Why a diagonal is not this rule's to record (a product's is ContractDiagOfProduct's, say).
 _NOT_ELEMENTWISE = "not of an elementwise op's output"
 # How many diagonals one run pushes down, at most (each step adds a few small ops).
@@ -176,7 +177,24 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         axis = graph.constant_value(graph.inputs(producer.name)[1])
         if axis is None or int(np.asarray(axis)) % spec.shape.rank > spec.shape.rank - 3:
             return f"{producer.name} adds a matrix dimension, not a leading one"
+    if producer.op in ("Pack", "ConcatV2") and _joined_axis(graph, producer) is None:
+        return f"{producer.name} joins its matrices along a matrix dimension, or along an axis that is not a constant"
     return None
+
+
+def _joined_axis(graph: Graph, node: node_def_pb2.NodeDef) -> int | None:
+    """The leading axis a `Pack` (`tf.stack`) or `ConcatV2` (`tf.concat`) joins its matrices
+    along, counted from the front of its output; None when it is a matrix dimension or not a
+    constant. (GPflow's SeparateIndependent stacks one covariance per latent GP.)"""
+    rank = graph.spec(TensorRef(node.name)).shape.rank
+    if node.op == "Pack":
+        axis: object = node.attr["axis"].i
+    else:
+        axis = graph.constant_value(graph.inputs(node.name)[-1])
+    if axis is None or rank is None:
+        return None
+    axis = int(np.asarray(axis)) % rank
+    return axis if axis <= rank - 3 else None
 
 
 def _returned(graph: Graph, tensor: TensorRef) -> bool:
@@ -220,6 +238,13 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
         def build(x: tf.Tensor) -> tf.Tensor:
             return tf.linalg.diag_part(x)
         inputs = [operands[0]]
+    elif producer.op in ("Pack", "ConcatV2"):
+        joined = _joined_axis(graph, producer)
+        join = tf.stack if producer.op == "Pack" else tf.concat
+
+        def build(*xs: tf.Tensor) -> tf.Tensor:
+            return join([tf.linalg.diag_part(x) for x in xs], axis=joined)
+        inputs = list(operands) if producer.op == "Pack" else list(operands[:-1])
     elif producer.op == "ExpandDims":
         axis = int(np.asarray(graph.constant_value(operands[1]))) % graph.spec(matrix).shape.rank
 

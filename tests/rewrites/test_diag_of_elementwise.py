@@ -128,6 +128,18 @@ def test_a_slice_of_the_matrix_dimensions_stays(rng, cut):
     np.testing.assert_array_equal(wrapped(x).numpy(), tf.function(fn, jit_compile=True)(x).numpy())
 
 
+def test_matrices_joined_along_a_matrix_dimension_stay(rng):
+    def fn(x):
+        k = tf.exp(x)
+        return tf.linalg.diag_part(tf.concat([k[:, :N // 2], -k[:, N // 2:]], axis=-2))
+
+    x = tf.constant(rng.normal(size=(2, N, N)))
+    wrapped = rewrite(fn)
+    [record] = [r for r in wrapped.report(x).records if r.rule == "DiagOfElementwise"]
+    assert record.status == "rejected" and "along a matrix dimension" in record.reason, record
+    np.testing.assert_array_equal(wrapped(x).numpy(), tf.function(fn, jit_compile=True)(x).numpy())
+
+
 # Operand shapes as an elementwise op broadcasts them to [2, N, N].
 SHAPES = {"matrix": (N, N), "batch": (2, N, N), "column": (N, 1), "row": (1, N), "batch_column": (2, N, 1),
           "vector_row": (N,), "scalar": (), "one_by_one": (1, 1)}
@@ -168,7 +180,7 @@ def evaluate(expression: Any, tensors: list[tf.Tensor]) -> tf.Tensor:
 
 @settings(deadline=None, max_examples=40, derandomize=True, database=None)
 @given(expression=expressions(), arrange=st.sampled_from(["none", "slice", "tile", "expand", "new_axis",
-                                                          "ellipsis_new_axis", "ellipsis_index"]),
+                                                          "ellipsis_new_axis", "ellipsis_index", "stack", "concat"]),
        dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**16))
 def test_diagonals_of_random_expressions_equal_stock(expression, arrange, dtype, seed):
     """Random elementwise expressions over operands of every broadcast shape (plus a matrix, so
@@ -190,6 +202,10 @@ def test_diagonals_of_random_expressions_equal_stock(expression, arrange, dtype,
             matrix = matrix[None, ...]
         elif arrange == "ellipsis_index":
             matrix = matrix[1, ..., :, :]
+        elif arrange == "stack":  # GPflow's SeparateIndependent: one covariance per latent GP
+            matrix = tf.stack([matrix, tf.exp(-matrix)], axis=-3)
+        elif arrange == "concat":
+            matrix = tf.concat([matrix, tf.square(matrix[:1])], axis=0)
         return tf.linalg.diag_part(matrix)
 
     rng = np.random.default_rng(seed)
