@@ -58,6 +58,7 @@ from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.diag_of_product import DIAG_OPS
 from rewrites.merge_duplicates import attrs_key
+from rewrites.split.diagonals import SET_DIAG_OPS
 
 RULE = "DiagOfElementwise"
 
@@ -81,9 +82,6 @@ _MAX_PAIRWISE_OPS = 32
 # Ops that only arrange leading (batch) dimensions, when they leave the last two whole (a
 # transpose may also swap those two: a matrix and its transpose share their diagonal).
 _LEADING_SHAPE_OPS = frozenset({"StridedSlice", "Tile", "ExpandDims", "Transpose", "Pack", "ConcatV2"})
-# Ops that set a matrix's diagonal: `AddDiagonal` writes `K + c·I` as `set_diag(K, diag_part(K) + c)`,
-# which the splitter makes in chunks with the diagonal it reads (`rewrites.split.diagonals`).
-_SET_DIAG_OPS = frozenset({"MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3"})
 # Why a diagonal is not this rule's to record (a product's is ContractDiagOfProduct's, say).
 _NOT_ELEMENTWISE = "not of an elementwise op's output"
 # How many diagonals one run pushes down, at most (each step adds a few small ops).
@@ -162,7 +160,7 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         return f"{matrix.name} is {spec.dtype.name}"
     if _returned(graph, matrix):
         return f"{matrix.name} is one of the program's outputs: it is formed whole anyway"
-    setting = sorted(reader for reader, _ in graph.consumers(matrix) if graph.node(reader).op in _SET_DIAG_OPS)
+    setting = sorted(reader for reader, _ in graph.consumers(matrix) if graph.node(reader).op in SET_DIAG_OPS)
     if setting:
         return (f"{matrix.name} has its diagonal set by {setting[0]} (`K + c·I` in place): the diagonal it reads "
                 "stays with it, for the splitter to make both in chunks")
@@ -205,7 +203,8 @@ def _joined_axis(graph: Graph, node: node_def_pb2.NodeDef) -> int | None:
 
 
 def _returned(graph: Graph, tensor: TensorRef) -> bool:
-    """Whether the program returns `tensor`, itself or through identities."""
+    """Whether the program returns `tensor`, itself or through identities, whatever else reads
+    it (`Graph.is_returned` asks more: whether only the return, through views, holds it)."""
     return graph.is_output(tensor) or any(graph.node(reader).op == "Identity" and _returned(graph, TensorRef(reader))
                                           for reader, _ in graph.consumers(tensor))
 

@@ -106,16 +106,12 @@ class EinsumAsDiagonal(RegionRule[EinsumDiagonal]):
         equation = graph.node(region.node).attr["equation"].s.decode()
         reading = diagonal_of(equation)
         read = tf.linalg.diag_part if reading == "diag_part" else tf.linalg.trace
-
-        def build(x: tf.Tensor) -> tf.Tensor:
-            return read(x)
-
-        (result,) = graph.splice(build, graph.inputs(region.node), scope=self.name)
+        (result,) = graph.splice(read, graph.inputs(region.node), scope=self.name)
         if graph.spec(result).shape != graph.spec(TensorRef(region.node)).shape:
             graph.prune()
             return f"the {reading} has shape {graph.spec(result).shape}, not the einsum's"
         graph.replace_all_uses(TensorRef(region.node), result)
-        return Emitted({"equation": equation, "reading": str(reading)})
+        return Emitted({"equation": equation, "reading": reading})
 
 
 __all__ = ["EinsumAsDiagonal", "EinsumDiagonal", "diagonal_of"]

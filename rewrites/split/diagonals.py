@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
 
 from tfmem.graph import Graph, TensorRef
 
-_SET_DIAG_OPS = frozenset({"MatrixSetDiagV2", "MatrixSetDiagV3"})
-_DIAG_PART_OPS = frozenset({"MatrixDiagPartV2", "MatrixDiagPartV3"})
+# Every version of the two ops; the first takes no offset `k` (it is the main diagonal).
+SET_DIAG_OPS = frozenset({"MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3"})
+DIAG_PART_OPS = frozenset({"MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3"})
 
 
 def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> dict[TensorRef, TensorRef]:
@@ -34,28 +36,27 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
     bytes (among `names`, if given) to selects; returns each lowered output → its new tensor."""
     lowered: dict[TensorRef, TensorRef] = {}
     # Updates first: `set_diag(X, diag_part(X) + d)` is lowered whole, before its diag_part.
-    for node in sorted(graph.nodes, key=lambda n: n.op not in _SET_DIAG_OPS):
+    for node in sorted(graph.nodes, key=lambda n: n.op not in SET_DIAG_OPS):
         if node.name not in graph:
             continue  # pruned: the diag_part of an update lowered whole
-        if node.op not in _SET_DIAG_OPS | _DIAG_PART_OPS or (names is not None and node.name not in names):
+        if node.op not in SET_DIAG_OPS | DIAG_PART_OPS or (names is not None and node.name not in names):
             continue
         inputs = graph.inputs(node.name)
         matrix = inputs[0]
         shape = graph.spec(matrix).shape
-        k = inputs[2] if node.op in _SET_DIAG_OPS else inputs[1]
         if (not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2]
-                or not _is_main_diagonal(graph, k) or (graph.nbytes(matrix) or 0) <= limit):
+                or not _is_main_diagonal(graph, node) or (graph.nbytes(matrix) or 0) <= limit):
             continue
         n = int(shape[-1])
 
         def mask(n: int = n) -> tf.Tensor:
             return diagonal_mask(n)
 
-        added = _added_to_diagonal(graph, matrix, inputs[1]) if node.op in _SET_DIAG_OPS else None
+        added = _added_to_diagonal(graph, matrix, inputs[1]) if node.op in SET_DIAG_OPS else None
         if added is not None:  # set_diag(X, diag_part(X) + d): X + d·I, without X's diagonal read apart
             [new] = graph.splice(lambda x, d: x + tf.where(mask(), _as_row(d), tf.zeros([], x.dtype)),
                                  [matrix, added], scope=f"{node.name}_lowered")
-        elif node.op in _SET_DIAG_OPS:
+        elif node.op in SET_DIAG_OPS:
             [new] = graph.splice(lambda x, v: tf.where(mask(), tf.expand_dims(v, -2), x),
                                  [matrix, inputs[1]], scope=f"{node.name}_lowered")
         else:
@@ -84,15 +85,18 @@ def _added_to_diagonal(graph: Graph, matrix: TensorRef, diagonal: TensorRef) -> 
         return None
     for position, ref in enumerate(graph.inputs(node.name)):
         reader = graph.node(ref.node)
-        if reader.op in _DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix \
-                and _is_main_diagonal(graph, graph.inputs(ref.node)[1]):
+        if reader.op in DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix and _is_main_diagonal(graph, reader):
             return graph.inputs(node.name)[1 - position]
     return None
 
 
-def _is_main_diagonal(graph: Graph, k: TensorRef) -> bool:
-    """Whether a diagonal op's offset `k` is the constant 0 (the main diagonal)."""
-    value = graph.constant_value(k)
+def _is_main_diagonal(graph: Graph, node: node_def_pb2.NodeDef) -> bool:
+    """Whether a `set_diag` / `diag_part` node reads or writes the main diagonal: its offset
+    `k` is the constant 0, or it is a first version, which has no offset."""
+    if node.op in ("MatrixSetDiag", "MatrixDiagPart"):
+        return True
+    inputs = graph.inputs(node.name)
+    value = graph.constant_value(inputs[2] if node.op in SET_DIAG_OPS else inputs[1])
     return value is not None and not np.any(np.asarray(value) != 0)
 
 

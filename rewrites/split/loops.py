@@ -23,7 +23,6 @@ block of the product beside the accumulator, not a whole second [M, M]:
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from typing import Any
 

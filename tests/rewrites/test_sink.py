@@ -260,22 +260,34 @@ def test_property_sunk_conjugate_gradients_equal_stock(n, steps, jitter, share, 
     np.testing.assert_allclose(wrapped(x, y), want, rtol=rtol, atol=rtol * float(tf.reduce_max(tf.abs(want))))
 
 
+def _set_diag_v1(a, d):
+    return tf.raw_ops.MatrixSetDiag(input=a, diagonal=d)
+
+
+def _diag_part_v1(a):
+    return tf.raw_ops.MatrixDiagPart(input=a)
+
+
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
 @pytest.mark.parametrize("batch", [(), (2,)])
-def test_lowered_diagonal_ops_give_the_same_bits(rng, dtype, batch):
+@pytest.mark.parametrize("set_diag, diag_part, ops", [
+    (tf.linalg.set_diag, tf.linalg.diag_part, ("MatrixSetDiagV3", "MatrixDiagPartV3")),
+    (_set_diag_v1, _diag_part_v1, ("MatrixSetDiag", "MatrixDiagPart")),  # an old graph's first versions
+], ids=["v3", "v1"])
+def test_lowered_diagonal_ops_give_the_same_bits(rng, dtype, batch, set_diag, diag_part, ops):
     n = 7
     a = tf.constant(rng.normal(size=(*batch, n, n)), dtype)
     d = tf.constant(rng.normal(size=(*batch, n)), dtype)
 
     def fn(a, d):
-        added = tf.linalg.set_diag(a, tf.linalg.diag_part(a) + d)  # AddDiagonal's form
-        return added, tf.linalg.set_diag(a, d), tf.linalg.diag_part(a * 2.0)
+        added = set_diag(a, diag_part(a) + d)  # AddDiagonal's form
+        return added, set_diag(a, d), diag_part(a * 2.0)
 
     concrete = tf.function(fn).get_concrete_function(a, d)
     graph = Graph(concrete.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in concrete.outputs])
     lowered = lower_diagonals(graph, limit=0)
-    assert {"MatrixSetDiagV3", "MatrixDiagPartV3"} <= {n.op for n in concrete.graph.as_graph_def().node}
-    assert not [n for n in graph.nodes if n.op in ("MatrixSetDiagV3", "MatrixDiagPartV3")]
+    assert set(ops) <= {n.op for n in concrete.graph.as_graph_def().node}
+    assert not [n for n in graph.nodes if n.op in ops]
     assert len(lowered) == 3
     out = run_graph(graph, concrete, [a, d])
     for got, want in zip(out, fn(a, d)):
