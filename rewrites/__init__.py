@@ -17,6 +17,7 @@ from rewrites.merge_duplicates import MergeDuplicates
 from rewrites.order_only_edges import DropOrderOnlyControlEdges
 from rewrites.solve_in_place import SolveInPlace
 from rewrites.solve_not_invert import SolveInsteadOfInverse
+from rewrites.splat_operands import ScalarForSplatOperand
 from rewrites.splats import CanonicalizeSplats
 from rewrites.squared_distance import ExpandSquaredDistance
 from rewrites.diag_of_elementwise import DiagOfElementwise
@@ -30,7 +31,7 @@ from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, MergeDuplicates, GrapplerCleanup,
+    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, ScalarForSplatOperand, MergeDuplicates, GrapplerCleanup,
                 DropOrderOnlyControlEdges),
     "match_and_replace": (EinsumAsMatMul, EinsumAsDiagonal, ExpandSquaredDistance, AddDiagonal,
                           LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts),

@@ -83,14 +83,16 @@ def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
 
     concrete = tf.function(program).get_concrete_function(tf.TensorSpec([rows, cols], tf.float64))
     graph_def = concrete.graph.as_graph_def(add_shapes=True)
-    from tfmem.graph import Graph
+    from tfmem.graph import Graph, TensorRef
 
     graph = Graph(graph_def, outputs=[t.name for t in concrete.outputs])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     config = Config(passes=["cleanup"])
     result = PassManager(default_pipeline(config)).run(graph, PassContext(config))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"rss_growth_bytes": after - before, "ops": result.graph.op_counts()}
+    consts = [result.graph.nbytes(TensorRef(node.name)) or 0 for node in result.graph.find("Const")]
+    return {"rss_growth_bytes": after - before, "ops": result.graph.op_counts(),
+            "largest_const_bytes": max(consts, default=0)}
 
 
 def cleanup_allocator_peak(n: int) -> dict[str, Any]:
