@@ -7,6 +7,7 @@
     diag_part(X[0])               →   diag_part(X)[0]           (also X[None, ...], tile, expand_dims: leading dimensions)
     diag_part(stack([X, Y]))      →   stack([diag_part(X), diag_part(Y)])     (and concat, along a leading axis)
     diag_part(Xᵀ)                 →   diag_part(X)
+    diag_part(set_diag(X, d))     →   d                         (`K + c·I` as AddDiagonal writes it)
     diag_part(Σₖ (x[:, None, :] − y[None, :, :])²)
                                   →   Σₖ (x − y)²               (a pairwise map, reduced over its last axis)
 
@@ -32,6 +33,8 @@ Conditions (rejections carry these reasons):
       with a real, complex or boolean result, or arranges leading dimensions only (a strided
       slice, a tile, an added axis that leaves the last two dimensions whole: GPflow tiles a
       covariance over its latent GPs; a stack or concat along a leading axis);
+    * or it sets the main diagonal: that diagonal is the one set (whatever else reads the
+      matrix, and even when it is returned: nothing is computed for it);
     * or it reduces (`_REDUCTIONS`) the last axis of a `[..., n, n, d]` elementwise expression
       read only inside itself (a kernel matrix written with broadcasts, which XLA keeps
       unexpanded for few features): its diagonal is the reduction of the expression over the
@@ -58,7 +61,7 @@ from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.diag_of_product import DIAG_OPS
 from rewrites.merge_duplicates import attrs_key
-from rewrites.split.diagonals import SET_DIAG_OPS
+from rewrites.split.diagonals import SET_DIAG_OPS, is_main_diagonal
 
 RULE = "DiagOfElementwise"
 
@@ -119,6 +122,10 @@ class DiagOfElementwise(GraphPass):
                 continue
             records.append(_push_down(graph, node))
             graph.prune()  # the replaced diagonal and its matrix: the operands' own readers are now the new ones
+            if records[-1].status == "fired":
+                # What kept a diagonal back may be gone now (the set_diag of `diag_part(K + c·I)`,
+                # pruned once its diagonal was read off it): look at those again.
+                seen -= {r.nodes[0] for r in records if r.status == "rejected"}
         return PassResult(graph, any(r.status == "fired" for r in records), records)
 
 
@@ -151,11 +158,13 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
         return problem
     matrix = graph.inputs(node.name)[0]
     producer = graph.node(matrix.node)
-    if producer.op not in _ELEMENTWISE | _LEADING_SHAPE_OPS | _REDUCTIONS:
+    if producer.op not in _ELEMENTWISE | _LEADING_SHAPE_OPS | _REDUCTIONS | SET_DIAG_OPS:
         return _NOT_ELEMENTWISE
     spec = graph.spec(matrix)
     if not spec.shape.is_fully_defined() or spec.shape.rank < 2 or spec.shape[-1] != spec.shape[-2]:
         return f"{matrix.name} is {spec.shape}, not a square matrix of static shape"
+    if producer.op in SET_DIAG_OPS:  # the diagonal it reads is the one just set: free, whatever else reads it
+        return None if is_main_diagonal(graph, producer) else f"{producer.name} sets a diagonal off the main one"
     if not (spec.dtype.is_floating or spec.dtype.is_complex or spec.dtype == tf.bool):
         return f"{matrix.name} is {spec.dtype.name}"
     if _returned(graph, matrix):
@@ -251,6 +260,11 @@ def _push_down(graph: Graph, node: node_def_pb2.NodeDef) -> RewriteRecord:
         def build(*xs: tf.Tensor) -> tf.Tensor:
             return join([tf.linalg.diag_part(x) for x in xs], axis=joined)
         inputs = list(operands) if producer.op == "Pack" else list(operands[:-1])
+    elif producer.op in SET_DIAG_OPS:  # the diagonal of set_diag(X, d) is d
+
+        def build(d: tf.Tensor) -> tf.Tensor:
+            return tf.identity(d)
+        inputs = [operands[1]]
     elif producer.op == "ExpandDims":
         axis = int(np.asarray(graph.constant_value(operands[1]))) % graph.spec(matrix).shape.rank
 

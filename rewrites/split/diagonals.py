@@ -45,7 +45,7 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
         matrix = inputs[0]
         shape = graph.spec(matrix).shape
         if (not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2]
-                or not _is_main_diagonal(graph, node) or (graph.nbytes(matrix) or 0) <= limit):
+                or not is_main_diagonal(graph, node) or (graph.nbytes(matrix) or 0) <= limit):
             continue
         n = int(shape[-1])
 
@@ -85,12 +85,12 @@ def _added_to_diagonal(graph: Graph, matrix: TensorRef, diagonal: TensorRef) -> 
         return None
     for position, ref in enumerate(graph.inputs(node.name)):
         reader = graph.node(ref.node)
-        if reader.op in DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix and _is_main_diagonal(graph, reader):
+        if reader.op in DIAG_PART_OPS and graph.inputs(ref.node)[0] == matrix and is_main_diagonal(graph, reader):
             return graph.inputs(node.name)[1 - position]
     return None
 
 
-def _is_main_diagonal(graph: Graph, node: node_def_pb2.NodeDef) -> bool:
+def is_main_diagonal(graph: Graph, node: node_def_pb2.NodeDef) -> bool:
     """Whether a `set_diag` / `diag_part` node reads or writes the main diagonal: its offset
     `k` is the constant 0, or it is a first version, which has no offset."""
     if node.op in ("MatrixSetDiag", "MatrixDiagPart"):
