@@ -214,9 +214,12 @@ def test_a_program_whose_inputs_fill_the_allocator_is_not_said_to_fit() -> None:
     # The inputs (two [20000, 64] float64, 9.8 MiB each) live in the allocator the budget
     # bounds, in a 16 MiB chunk each; XLA planned 53.7 MiB for the call, inputs included, and the
     # report said "fits 62.5 MiB", but 32 MiB held + 19.5 MiB of outputs left no room for its
-    # 14.6 MiB block. The verdict must be what the call does under that limit.
+    # 14.6 MiB block. A "fits" must be what the call does under that limit. The other way is
+    # not a matter of the verdict alone: the same "does NOT fit" (XLA plans 48.9 MiB, its block
+    # 9.9 MiB) ran out of memory in one run and ran in another (a CI run at 7aa2dd6), the
+    # allocator's peak before the call 59.5 and 51.5 MiB: the regions' model errs that way.
     outcome = background.result("gram_loss_under_a_limit")
-    assert outcome["fits"] == (outcome["status"] == "ok"), outcome
+    assert not (outcome["fits"] and outcome["status"] != "ok"), outcome
     if not outcome["fits"]:
         assert "the allocator" in outcome["summary"], outcome["summary"]  # what it holds, or the regions it grew
 
