@@ -31,8 +31,8 @@ from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, ScalarForSplatOperand, MergeDuplicates, GrapplerCleanup,
-                DropOrderOnlyControlEdges),
+    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, ScalarForSplatOperand, MergeDuplicates,
+                GrapplerCleanup, DropOrderOnlyControlEdges),
     "match_and_replace": (EinsumAsMatMul, EinsumAsDiagonal, ExpandSquaredDistance, AddDiagonal,
                           LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts),
     "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),

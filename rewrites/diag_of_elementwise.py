@@ -124,8 +124,11 @@ class DiagOfElementwise(GraphPass):
             graph.prune()  # the replaced diagonal and its matrix: the operands' own readers are now the new ones
             if records[-1].status == "fired":
                 # What kept a diagonal back may be gone now (the set_diag of `diag_part(K + c·I)`,
-                # pruned once its diagonal was read off it): look at those again.
-                seen -= {r.nodes[0] for r in records if r.status == "rejected"}
+                # pruned once its diagonal was read off it): look at those again, and keep only
+                # the reason of the last look in the report.
+                again = {r.nodes[0] for r in records if r.status == "rejected" and r.nodes[0] in graph}
+                seen -= again
+                records = [r for r in records if r.status != "rejected" or r.nodes[0] not in again]
         return PassResult(graph, any(r.status == "fired" for r in records), records)
 
 

@@ -65,8 +65,7 @@ class ScalarForSplatOperand(GraphPass):
                 continue
             splat = TensorRef(node.name)
             scalar = splat_scalar(graph, splat)
-            shape = graph.spec(splat).shape
-            if scalar is None or not shape.is_fully_defined() or (graph.nbytes(splat) or 0) <= LARGE_TENSOR_BYTES:
+            if scalar is None or (graph.nbytes(splat) or 0) <= LARGE_TENSOR_BYTES:  # None: no static shape
                 continue
             readers = sorted({reader for reader, _ in graph.consumers(splat)})
             changed = [reader for reader in readers if _read_as_scalar(graph, reader, splat, scalar)]
@@ -83,9 +82,10 @@ def _read_as_scalar(graph: Graph, reader: str, splat: TensorRef, scalar: TensorR
     another operand carries its whole output shape; True if anything changed."""
     node = graph.node(reader)
     operands = graph.inputs(reader)
-    out = graph.output_specs(reader)[0].shape if graph.output_specs(reader) else None
-    if out is None or not out.is_fully_defined():
+    specs = graph.output_specs(reader)
+    if not specs or not specs[0].shape.is_fully_defined():
         return False
+    out = specs[0].shape
     full = [ref != splat and graph.spec(ref).shape == out for ref in operands]
     if node.op in BROADCASTING_OPS:
         if not any(full):
