@@ -3,6 +3,7 @@ background jobs (tests/background.py) and the corpus's trials start when collect
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # XLA compiles the suite's programs with LLVM at -O0 (here and in every process a test starts):
@@ -16,6 +17,49 @@ import numpy as np
 import pytest
 
 from tests import background
+
+
+# XLA's CPU JIT keeps every program it compiled mapped for the life of the process (about a
+# dozen maps each), and LLVM segfaults once the process may map no more (`tests/__main__.py`
+# runs the suite in parts for this). A session that nears the limit stops, saying why.
+_MAPS_STOP_FRACTION = 0.92
+_MAPS_CHECK_EVERY = 10  # tests; one check reads /proc/self/maps (tens of thousands of lines)
+_maps_checked = 0
+_maps_peak = 0
+
+
+def _memory_maps() -> tuple[int, int] | None:
+    """(maps this process holds, the most it may hold), or None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return maps.read().count(b"\n"), int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _maps_checked, _maps_peak
+    _maps_checked += 1
+    if _maps_checked % _MAPS_CHECK_EVERY:
+        return
+    counted = _memory_maps()
+    if counted is None:
+        return
+    used, limit = counted
+    _maps_peak = max(_maps_peak, used)
+    if used > _MAPS_STOP_FRACTION * limit:
+        pytest.exit(f"stopped before {item.nodeid}: this process holds {used:,} memory maps of the {limit:,} "
+                    "Linux allows (vm.max_map_count); XLA's JIT keeps every compiled program mapped, and past "
+                    "the limit LLVM segfaults. Run fewer tests per process: `python -m tests` runs the suite "
+                    "in parts (tests/__main__.py: add a part to PARTS).", returncode=3)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    counted = _memory_maps()
+    if counted is not None:
+        used, limit = counted
+        terminalreporter.write_line(f"memory maps: {max(used, _maps_peak):,} of the {limit:,} a process may hold "
+                                    f"(the session stops at {_MAPS_STOP_FRACTION:.0%}: tests/__main__.py)")
 
 
 def _is_corpus_test(item: pytest.Item) -> bool:
