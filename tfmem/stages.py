@@ -37,7 +37,7 @@ from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config, format_size
 from tfmem.context import PassContext
 from tfmem.graph import Graph
-from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_plan
+from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_expanded_ops, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES,
                           XLA_SHRINK_RULE, Report)
@@ -231,7 +231,8 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
 
     1. The passes plan to `Budget.plan_bytes`. A plan whose estimate fits even when XLA
        plans the estimate's largest measured error more (`Budget.fits_unchecked`) is
-       compiled once, to run. (Planning lower on purpose to get there would take smaller
+       compiled once, to run; not when it has an op XLA expands far beyond its output
+       (`memory.XLA_EXPANDED_OPS`: igamma, lgamma, polygamma), for which no margin holds. (Planning lower on purpose to get there would take smaller
        chunks, and every later step would pay for the compile saved once.)
     2. Otherwise XLA's plan is checked. When it is over `Budget.xla_bytes`, or has a
        block too large to find room beside the rest (`Budget.xla_overshoot`), the passes
@@ -262,7 +263,15 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     # (Grappler's constant folding) and XLA's compilation allocate too, and the regions
     # they grow stay (SGPR Matern52 N=40,000 under 192 MiB: 11.4 MiB before the rewrite,
     # 30.3 MiB after it, and XLA's 137.4 MiB block then found no room).
-    if not ask_xla and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
+    expanded = xla_expanded_ops(rewritten.graph)
+    if expanded:
+        # XLA's plan for these can be ten times the estimate (igamma over [1000, 1300] f64:
+        # estimated 60.8 MiB, XLA plans 708 MiB), so no error margin makes the estimate safe.
+        note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
+            f"asked: the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries "
+            "can be many times the estimate"))
+        rewritten = dataclasses.replace(rewritten, records=(*rewritten.records, note))
+    if not ask_xla and not expanded and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
             f"not asked: the estimated peak {format_size(rewritten.memory.peak_bytes)} fits even if XLA plans "
             f"{ESTIMATE_ERROR}× it (the estimate's largest error measured on the corpus) in one block"))

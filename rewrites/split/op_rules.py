@@ -61,11 +61,13 @@ class NoRule(Exception):
 _UNARY = frozenset("""Abs Acos Asin Atan Cast Ceil Cos Cosh Digamma Erf Erfc Exp Expm1 Floor Identity
     Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike PreventGradient Reciprocal Relu
     Relu6 Rint Round Rsqrt Sigmoid Sign Sin Sinh Snapshot Softplus Softsign Sqrt Square StopGradient
-    Tan Tanh ZerosLike CheckNumerics EnsureShape Elu Selu""".split())
+    Tan Tanh ZerosLike CheckNumerics EnsureShape Elu Selu Asinh Acosh Atanh Erfinv Ndtri BesselI0e
+    BesselI1e LeakyRelu""".split())
 _ELEMENTWISE = frozenset("""Add AddV2 Sub Mul RealDiv Div DivNoNan Maximum Minimum Pow SquaredDifference
     Greater GreaterEqual Less LessEqual Equal NotEqual LogicalAnd LogicalOr SelectV2 AddN TanhGrad
     SigmoidGrad SqrtGrad RsqrtGrad ReciprocalGrad Atan2 FloorDiv FloorMod Xdivy Xlogy MulNoNan
-    TruncateDiv ReluGrad SoftplusGrad BiasAdd""".split())
+    TruncateDiv ReluGrad SoftplusGrad BiasAdd Xlog1py Igamma Igammac IgammaGradA EluGrad SeluGrad
+    Relu6Grad SoftsignGrad LeakyReluGrad""".split())
 # Public names for other passes that ask "is this op elementwise?" (the recompute cone).
 UNARY_OPS, ELEMENTWISE_OPS = _UNARY, _ELEMENTWISE
 _REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod": "prod",
@@ -359,6 +361,17 @@ def _row_wise(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     return classes
 
 
+def _cumulative(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """Running sums (`Cumsum`, `Cumprod`, `CumulativeLogsumexp`, exclusive or reversed) need
+    their own axis whole; every other axis maps through. Their gradients are running sums
+    too, so a loss over one splits forward and backward."""
+    x, axis_ref = _operands(graph, node)
+    rank = len(_shape(graph, x))
+    axis = int(_const(graph, axis_ref, "axis")) % rank
+    out = TensorRef(node.name)
+    return [DimClass(((x, j), (out, j))) for j in range(rank) if j != axis]
+
+
 def _l2_loss(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     x = _operands(graph, node)[0]
     return [DimClass(((x, j),), combine="sum") for j in range(len(_shape(graph, x)))]
@@ -417,6 +430,7 @@ _RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
     "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Reshape": _reshape, "Tile": _tile,
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice,
     "ConcatV2": _concat, "Fill": _fill, "Einsum": _einsum, "L2Loss": _l2_loss,
+    **dict.fromkeys(["Cumsum", "Cumprod", "CumulativeLogsumexp"], _cumulative),
     **dict.fromkeys(["Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits"], _row_wise),
 }
 SUPPORTED_OPS = frozenset(_RULES)

@@ -51,11 +51,13 @@ from rewrites.split.compared import check_one_evaluation
 from rewrites.split.cone import Cone, grow_cone
 from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
 from rewrites.split.order import can_order, computed_after, made_from_inputs
+from tfmem.memory import XLA_EXPANDED_OPS
 
 RECOMPUTE_RULE = "RecomputeForLateReaders"
 # Ops whose cost is proportional to what they read or write: recomputing them costs about
 # as much as reading the tensor back from memory would.
-CHEAP_OPS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
+# Not the special functions XLA lowers to loops of many steps per element (igamma).
+CHEAP_OPS = (UNARY_OPS | ELEMENTWISE_OPS) - XLA_EXPANDED_OPS | frozenset({
     "ExpandDims", "Squeeze", "Reshape", "BroadcastTo", "Tile", "Fill", "Transpose", "Const",
     "Sum", "Mean", "Max", "Min", "Prod", "MatrixSetDiagV3", "MatrixDiagV3", "MatrixDiagPartV3",
     "MatrixBandPart", "Select", "ZerosLike", "OnesLike",
