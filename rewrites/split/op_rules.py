@@ -300,12 +300,16 @@ def _strided_slice_specs(graph: Graph, node: node_def_pb2.NodeDef) -> list[tuple
 
     A new axis has no input axis; a shrunk axis has no output axis.
     """
-    x, begin_ref, end_ref, strides_ref = graph.inputs(node.name)
+    if node.op == "StridedSliceGrad":  # (shape of the sliced tensor, begin, end, strides, dy)
+        shape_ref, begin_ref, end_ref, strides_ref, _ = graph.inputs(node.name)
+        shape = [int(size) for size in _const(graph, shape_ref, "shape")]
+    else:
+        x, begin_ref, end_ref, strides_ref = graph.inputs(node.name)
+        shape = _shape(graph, x)
     begin, end = _const(graph, begin_ref, "begin"), _const(graph, end_ref, "end")
     strides = _const(graph, strides_ref, "strides")
     masks = {k: node.attr[k].i for k in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
                                          "shrink_axis_mask")}
-    shape = _shape(graph, x)
     consuming = sum(1 for spec in range(len(begin))
                     if not (masks["new_axis_mask"] | masks["ellipsis_mask"]) & (1 << spec))
     specs: list[tuple[int | None, int | None, bool]] = []
@@ -337,6 +341,73 @@ def _strided_slice(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     x, out = _operands(graph, node)[0], TensorRef(node.name)
     return [DimClass(((x, i), (out, o))) for i, o, whole in _strided_slice_specs(graph, node)
             if whole and i is not None and o is not None]
+
+
+def _strided_slice_grad(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """The gradient of a slice pads `dy` back to the sliced tensor's shape: the axes the
+    slice took whole map through (its `shape` and `end` constants are patched per chunk)."""
+    dy, out = _operands(graph, node)[4], TensorRef(node.name)
+    return [DimClass(((dy, o), (out, i))) for i, o, whole in _strided_slice_specs(graph, node)
+            if whole and i is not None and o is not None]
+
+
+def _reverse(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """`ReverseV2` splits on the axes it does not reverse."""
+    x, axes_ref = _operands(graph, node)
+    rank = len(_shape(graph, x))
+    reversed_axes = {int(a) % rank for a in np.atleast_1d(_const(graph, axes_ref, "axis"))}
+    out = TensorRef(node.name)
+    return [DimClass(((x, j), (out, j))) for j in range(rank) if j not in reversed_axes]
+
+
+def _pad(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """`Pad`, `PadV2`, `MirrorPad` (and `MirrorPadGrad`, which folds the padding back) split on
+    the axes they do not pad; a `PadV2`'s fill value is read whole."""
+    x, paddings_ref = _operands(graph, node)[:2]
+    paddings = np.asarray(_const(graph, paddings_ref, "paddings")).reshape(-1, 2)
+    out = TensorRef(node.name)
+    return [DimClass(((x, j), (out, j))) for j in range(len(_shape(graph, x))) if not paddings[j].any()]
+
+
+def _pack(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """`Pack` (`tf.stack`): the inputs' axis j is the output's j, or j + 1 past the new axis."""
+    values, out = _operands(graph, node), TensorRef(node.name)
+    rank = len(_shape(graph, values[0]))
+    axis = node.attr["axis"].i % (rank + 1)
+    return [DimClass(tuple([(v, j) for v in values] + [(out, j if j < axis else j + 1)])) for j in range(rank)]
+
+
+def _unpack(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """`Unpack` (`tf.unstack`): the input's axis j is each output's j, or j - 1 past the
+    unstacked axis."""
+    x = _operands(graph, node)[0]
+    rank = len(_shape(graph, x))
+    axis = node.attr["axis"].i % rank
+    outputs = [TensorRef(node.name, i) for i in range(node.attr["num"].i)]
+    return [DimClass(((x, j), *((out, j if j < axis else j - 1) for out in outputs)))
+            for j in range(rank) if j != axis]
+
+
+def _batch_matrix_op(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """An op on each matrix of a batch (`MatrixBandPart`) maps the batch axes through; its
+    other inputs (the band's limits) are read whole."""
+    x, out = _operands(graph, node)[0], TensorRef(node.name)
+    return [DimClass(((x, j), (out, j))) for j in range(len(_shape(graph, x)) - 2)]
+
+
+def _gather(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """`GatherV2(params, indices, axis)`: params' other axes and the indices' axes map to
+    the output (`params[:axis] + indices + params[axis + 1:]`); the gathered axis is read whole."""
+    params, indices, axis_ref = _operands(graph, node)
+    if node.attr["batch_dims"].i:
+        raise NoRule("gather with batch_dims")
+    rank, index_rank = len(_shape(graph, params)), len(_shape(graph, indices))
+    axis = int(_const(graph, axis_ref, "axis")) % rank
+    out = TensorRef(node.name)
+    classes = [DimClass(((params, j), (out, j))) for j in range(axis)]
+    classes += [DimClass(((indices, k), (out, axis + k))) for k in range(index_rank)]
+    classes += [DimClass(((params, j), (out, j + index_rank - 1))) for j in range(axis + 1, rank)]
+    return classes
 
 
 def _concat(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
@@ -431,6 +502,9 @@ _RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice,
     "ConcatV2": _concat, "Fill": _fill, "Einsum": _einsum, "L2Loss": _l2_loss,
     **dict.fromkeys(["Cumsum", "Cumprod", "CumulativeLogsumexp"], _cumulative),
+    "StridedSliceGrad": _strided_slice_grad, "ReverseV2": _reverse,
+    **dict.fromkeys(["Pad", "PadV2", "MirrorPad", "MirrorPadGrad"], _pad),
+    "Pack": _pack, "Unpack": _unpack, "MatrixBandPart": _batch_matrix_op, "GatherV2": _gather,
     **dict.fromkeys(["Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits"], _row_wise),
 }
 SUPPORTED_OPS = frozenset(_RULES)
@@ -489,6 +563,10 @@ def chunk_patches(graph: Graph, name: str, out_axis: int | None, chunk: int,
         return {2: size}
     if node.op == "StridedSlice" and 0 in in_axes:
         return _strided_slice_patch(graph, node, in_axes[0], chunk)
+    if node.op == "StridedSliceGrad" and out_axis is not None:
+        shape = np.array(_const(graph, inputs[0], "shape"))
+        shape[out_axis] = chunk
+        return {0: shape, **_strided_slice_patch(graph, node, out_axis, chunk)}
     if node.op == "TopKV2" and in_axes.get(0) == len(_shape(graph, inputs[0])) - 1:
         k = int(_const(graph, inputs[1], "k"))
         return {1: np.array(min(k, chunk), dtype=np.int32)} if chunk < k else {}  # a short last chunk
