@@ -263,14 +263,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     # (Grappler's constant folding) and XLA's compilation allocate too, and the regions
     # they grow stay (SGPR Matern52 N=40,000 under 192 MiB: 11.4 MiB before the rewrite,
     # 30.3 MiB after it, and XLA's 137.4 MiB block then found no room).
+    # XLA's plan for these can be ten times the estimate (igamma over [1000, 1300] f64:
+    # estimated 60.8 MiB, XLA plans 708 MiB), so no error margin makes the estimate safe.
     expanded = xla_expanded_ops(rewritten.graph)
-    if expanded:
-        # XLA's plan for these can be ten times the estimate (igamma over [1000, 1300] f64:
-        # estimated 60.8 MiB, XLA plans 708 MiB), so no error margin makes the estimate safe.
-        note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
-            f"asked: the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries "
-            "can be many times the estimate"))
-        rewritten = dataclasses.replace(rewritten, records=(*rewritten.records, note))
     if not ask_xla and not expanded and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
             f"not asked: the estimated peak {format_size(rewritten.memory.peak_bytes)} fits even if XLA plans "
@@ -346,6 +341,11 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
                                   input_signature=input_signature, name=name, xla_checked=checked)
     best = _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
                                      name=name)
+    if expanded:  # said last: the plans above each carry the records of their own rewrite
+        best = dataclasses.replace(best, rewritten=dataclasses.replace(best.rewritten, records=(
+            *best.rewritten.records, RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
+                f"asked: the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries "
+                "can be many times the estimate")))))
     return judged_as_the_allocator_is(best)
 
 
