@@ -68,6 +68,20 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
     return lowered
 
 
+def overwritten_diagonals(graph: Graph, limit: int) -> set[str]:
+    """The `set_diag(X, v)` nodes over `limit` bytes whose `v` is not `diag_part(X) + d`:
+    a diagonal written over, as a leave-one-out statistic or a contrastive loss masks its
+    self-pairs (`set_diag(S, -inf)` before a row's logsumexp). Lowered to a select, the
+    whole expression splits by rows (`Planner.split_all`)."""
+    names = set()
+    for node in graph.nodes:
+        if node.op in SET_DIAG_OPS and (graph.nbytes(TensorRef(node.name)) or 0) > limit:
+            matrix, values = graph.inputs(node.name)[:2]
+            if _added_to_diagonal(graph, matrix, values) is None:
+                names.add(node.name)
+    return names
+
+
 def diagonal_mask(n: int) -> tf.Tensor:
     """The identity as a boolean mask, `iota_r == iota_c` [n, n] (it broadcasts over batches).
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import tensorflow as tf
 
 import tfmem
@@ -592,3 +594,100 @@ def test_a_loop_emitted_again_slices_what_a_later_loop_makes_now(rng) -> None:
     want = tf.function(program, jit_compile=True)(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=1e-9 * np.max(np.abs(w.numpy())))
+
+
+# --- a diagonal written over (leave-one-out statistics, contrastive losses) -------------------
+
+def _loo_log_density(x, h):
+    """Leave-one-out kernel density: each point's log density under the others."""
+    d2 = tf.reduce_sum(tf.square(x[:, None, :] - x[None, :, :]), -1)
+    logk = tf.linalg.set_diag(-0.5 * d2 / (h * h), tf.fill([x.shape[0]], tf.constant(-np.inf, x.dtype)))
+    return tf.reduce_mean(tf.reduce_logsumexp(logk, axis=1))
+
+
+def _contrastive_loss(z, temperature):
+    """NT-Xent-like: row i's positive is row i ± n/2, its own pair masked out by a large negative."""
+    z = z / tf.norm(z, axis=1, keepdims=True)
+    logits = tf.linalg.set_diag(z @ tf.transpose(z) / temperature, tf.fill([z.shape[0]], tf.constant(-1e9, z.dtype)))
+    positives = tf.reduce_sum(z * tf.roll(z, shift=z.shape[0] // 2, axis=0), axis=1) / temperature
+    return tf.reduce_mean(tf.reduce_logsumexp(logits, axis=1) - positives)
+
+
+def _with_gradient(fn):
+    def loss_and_gradients(x, s):
+        with tf.GradientTape() as tape:
+            tape.watch([x, s])
+            loss = fn(x, s)
+        return (loss, *tape.gradient(loss, [x, s]))
+    return loss_and_gradients
+
+
+@pytest.mark.parametrize("program, n, d, scale", [
+    (_loo_log_density, 1600, 3, 0.7), (_with_gradient(_loo_log_density), 1600, 3, 0.7),
+    (_with_gradient(_contrastive_loss), 1600, 16, 0.3)], ids=["loo_kde", "loo_kde_grad", "contrastive_grad"])
+def test_a_diagonal_written_over_splits_by_rows_under_a_budget(program, n: int, d: int, scale: float,
+                                                                rng: np.random.Generator) -> None:
+    inputs = (tf.constant(rng.normal(size=(n, d))), tf.constant(scale, tf.float64))
+    stock = tfmem.memory.xla_plan(tf.function(program, jit_compile=True), *inputs).total_bytes
+    budget = stock // 4
+    wrapped = tfmem.function(program, config={"memory_budget": budget, "strict": True})
+    report = wrapped.report(*inputs)
+    assert report.fits and report.splits, report.summary()
+    assert report.xla_bytes_after <= budget, report.summary()
+    assert not any(node.op.startswith("MatrixSetDiag") for node in report.rewritten_graph_def.node)
+    want = tf.function(program, jit_compile=True)(*inputs)
+    for got, expected in zip(tf.nest.flatten(wrapped(*inputs)), tf.nest.flatten(want)):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _jittered_cholesky_logdet(x, s):
+    k = tf.exp(-tf.reduce_sum(tf.square(x[:, None, :] - x[None, :, :]), -1) / (s * s))
+    k = tf.linalg.set_diag(k, tf.fill([x.shape[0]], tf.constant(1.5, x.dtype)))
+    return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(tf.linalg.cholesky(k))))
+
+
+def test_a_diagonal_written_over_stays_an_op_when_no_loop_comes_of_it(rng: np.random.Generator) -> None:
+    # The Cholesky needs the matrix whole: lowering its set_diag to a select splits nothing,
+    # so the set_diag is put back (the graph as it was, the reason kept).
+    inputs = (tf.constant(rng.normal(size=(600, 3))), tf.constant(1.3, tf.float64))
+    graph = Graph(tf.function(_jittered_cholesky_logdet).get_concrete_function(*inputs).graph.as_graph_def())
+    planner = Planner("split", graph)
+    planner.split_all(threshold=600 * 600 * 8 // 4, split_size=600 * 600 * 8 // 8)
+    ops = {node.op for node in planner.graph.nodes}
+    assert "MatrixSetDiagV3" in ops and not planner.loops, sorted(ops)
+    assert not any("lowered" in node.name for node in planner.graph.nodes)
+
+
+_ROW_READERS = {
+    "logsumexp": lambda s: tf.reduce_logsumexp(s, axis=1),
+    "max": lambda s: tf.reduce_max(s, axis=1),
+    "softmax_weighted": lambda s: tf.reduce_sum(tf.nn.softmax(s, axis=1) * tf.tanh(s), axis=1),
+    "sum_exp": lambda s: tf.reduce_sum(tf.exp(tf.minimum(s, 0.0)), axis=1),
+}
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(300, 700), fill=st.sampled_from(["-inf", "-1e9", "zero", "vector"]),
+       reader=st.sampled_from(sorted(_ROW_READERS)), seed=st.integers(0, 2**16))
+def test_property_diagonals_written_over_then_read_by_rows_equal_stock(n: int, fill: str, reader: str,
+                                                                       seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x, v = tf.constant(rng.normal(size=(n, 3))), tf.constant(rng.normal(size=(n,)))
+
+    def program(x, v):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            s = -tf.reduce_sum(tf.square(x[:, None, :] - x[None, :, :]), -1)
+            diagonal = {"-inf": tf.fill([n], tf.constant(-np.inf, tf.float64)), "zero": tf.zeros([n], tf.float64),
+                        "-1e9": tf.fill([n], tf.constant(-1e9, tf.float64)), "vector": v}[fill]
+            rows = _ROW_READERS[reader](tf.linalg.set_diag(s, diagonal))
+            loss = tf.reduce_sum(rows * rows)
+        return rows, tape.gradient(loss, x)
+
+    threshold = n * n * 8 // 4
+    wrapped = tfmem.function(program, config={"tensor_size_threshold": threshold, "strict": True})
+    report = wrapped.report(x, v)
+    assert report.splits, report.summary()
+    want = program(x, v)
+    for got, expected in zip(wrapped(x, v), want):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-9, atol=1e-12)
