@@ -29,6 +29,8 @@ from tfmem.graph import Graph, TensorRef
 # Every version of the two ops; the first takes no offset `k` (it is the main diagonal).
 SET_DIAG_OPS = frozenset({"MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3"})
 DIAG_PART_OPS = frozenset({"MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3"})
+# `tf.linalg.diag(v)`: a matrix made from its diagonal.
+MATRIX_DIAG_OPS = frozenset({"MatrixDiag", "MatrixDiagV2", "MatrixDiagV3"})
 
 
 def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> dict[TensorRef, TensorRef]:
@@ -82,6 +84,34 @@ def overwritten_diagonals(graph: Graph, limit: int) -> set[str]:
     return names
 
 
+def lower_matrix_diags(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
+    """Lowers every square `diag(v)` over `limit` bytes (main diagonal, its padding a scalar)
+    to `where(I, v[..., None, :], padding)`, which splits by rows as `K + diag(noise)` needs;
+    returns each lowered output → its new tensor."""
+    lowered: dict[TensorRef, TensorRef] = {}
+    for node in graph.nodes:
+        if node.op not in MATRIX_DIAG_OPS or (graph.nbytes(TensorRef(node.name)) or 0) <= limit:
+            continue
+        shape = graph.spec(TensorRef(node.name)).shape
+        inputs = graph.inputs(node.name)
+        if not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2] \
+                or graph.spec(inputs[0]).shape[-1:] != shape[-1:] or not is_main_diagonal(graph, node):
+            continue
+        if node.op == "MatrixDiag":
+            [new] = graph.splice(lambda v, n=int(shape[-1]): tf.where(diagonal_mask(n), tf.expand_dims(v, -2),
+                                                                      tf.zeros([], v.dtype)),
+                                 [inputs[0]], scope=f"{node.name}_lowered")
+        else:  # (diagonal, k, num_rows, num_cols, padding_value); a square main diagonal's padding
+            [new] = graph.splice(lambda v, pad, n=int(shape[-1]): tf.where(diagonal_mask(n), tf.expand_dims(v, -2),
+                                                                            pad),
+                                 [inputs[0], inputs[4]], scope=f"{node.name}_lowered")
+        graph.replace_all_uses(TensorRef(node.name), new)
+        lowered[TensorRef(node.name)] = new
+    if lowered:
+        graph.prune()
+    return lowered
+
+
 def diagonal_mask(n: int) -> tf.Tensor:
     """The identity as a boolean mask, `iota_r == iota_c` [n, n] (it broadcasts over batches).
 
@@ -107,7 +137,7 @@ def _added_to_diagonal(graph: Graph, matrix: TensorRef, diagonal: TensorRef) -> 
 def is_main_diagonal(graph: Graph, node: node_def_pb2.NodeDef) -> bool:
     """Whether a `set_diag` / `diag_part` node reads or writes the main diagonal: its offset
     `k` is the constant 0, or it is a first version, which has no offset."""
-    if node.op in ("MatrixSetDiag", "MatrixDiagPart"):
+    if node.op in ("MatrixSetDiag", "MatrixDiagPart", "MatrixDiag"):
         return True
     inputs = graph.inputs(node.name)
     value = graph.constant_value(inputs[2] if node.op in SET_DIAG_OPS else inputs[1])

@@ -613,6 +613,12 @@ def _contrastive_loss(z, temperature):
     return tf.reduce_mean(tf.reduce_logsumexp(logits, axis=1) - positives)
 
 
+def _penalised_self_pairs(x, v):
+    """A matrix made from a computed diagonal, subtracted (`S - diag(e^v)`), then read by rows."""
+    s = -tf.reduce_sum(tf.square(x[:, None, :] - x[None, :, :]), -1)
+    return tf.reduce_logsumexp(s - 50.0 * tf.linalg.diag(tf.exp(v)), axis=1)
+
+
 def _with_gradient(fn):
     def loss_and_gradients(x, s):
         with tf.GradientTape() as tape:
@@ -624,17 +630,19 @@ def _with_gradient(fn):
 
 @pytest.mark.parametrize("program, n, d, scale", [
     (_loo_log_density, 1600, 3, 0.7), (_with_gradient(_loo_log_density), 1600, 3, 0.7),
-    (_with_gradient(_contrastive_loss), 1600, 16, 0.3)], ids=["loo_kde", "loo_kde_grad", "contrastive_grad"])
-def test_a_diagonal_written_over_splits_by_rows_under_a_budget(program, n: int, d: int, scale: float,
+    (_with_gradient(_contrastive_loss), 1600, 16, 0.3), (_penalised_self_pairs, 1500, 3, None)],
+    ids=["loo_kde", "loo_kde_grad", "contrastive_grad", "made_diagonal"])
+def test_a_diagonal_written_over_or_made_a_matrix_splits_by_rows_under_a_budget(program, n: int, d: int, scale: float,
                                                                 rng: np.random.Generator) -> None:
-    inputs = (tf.constant(rng.normal(size=(n, d))), tf.constant(scale, tf.float64))
+    second = tf.constant(scale, tf.float64) if scale is not None else tf.constant(rng.normal(size=(n,)))
+    inputs = (tf.constant(rng.normal(size=(n, d))), second)
     stock = tfmem.memory.xla_plan(tf.function(program, jit_compile=True), *inputs).total_bytes
     budget = stock // 4
     wrapped = tfmem.function(program, config={"memory_budget": budget, "strict": True})
     report = wrapped.report(*inputs)
     assert report.fits and report.splits, report.summary()
     assert report.xla_bytes_after <= budget, report.summary()
-    assert not any(node.op.startswith("MatrixSetDiag") for node in report.rewritten_graph_def.node)
+    assert not any(node.op.startswith(("MatrixSetDiag", "MatrixDiag")) for node in report.rewritten_graph_def.node)
     want = tf.function(program, jit_compile=True)(*inputs)
     for got, expected in zip(tf.nest.flatten(wrapped(*inputs)), tf.nest.flatten(want)):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-9, atol=1e-12)
@@ -667,7 +675,7 @@ _ROW_READERS = {
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=st.integers(300, 700), fill=st.sampled_from(["-inf", "-1e9", "zero", "vector"]),
+@given(n=st.integers(300, 700), fill=st.sampled_from(["-inf", "-1e9", "zero", "vector", "made"]),
        reader=st.sampled_from(sorted(_ROW_READERS)), seed=st.integers(0, 2**16))
 def test_property_diagonals_written_over_then_read_by_rows_equal_stock(n: int, fill: str, reader: str,
                                                                        seed: int) -> None:
@@ -679,8 +687,11 @@ def test_property_diagonals_written_over_then_read_by_rows_equal_stock(n: int, f
             tape.watch(x)
             s = -tf.reduce_sum(tf.square(x[:, None, :] - x[None, :, :]), -1)
             diagonal = {"-inf": tf.fill([n], tf.constant(-np.inf, tf.float64)), "zero": tf.zeros([n], tf.float64),
-                        "-1e9": tf.fill([n], tf.constant(-1e9, tf.float64)), "vector": v}[fill]
-            rows = _ROW_READERS[reader](tf.linalg.set_diag(s, diagonal))
+                        "-1e9": tf.fill([n], tf.constant(-1e9, tf.float64)), "vector": v, "made": v}[fill]
+            if fill == "made":  # a matrix made from a diagonal, subtracted
+                rows = _ROW_READERS[reader](s - 3.0 * tf.linalg.diag(tf.exp(v)))
+            else:
+                rows = _ROW_READERS[reader](tf.linalg.set_diag(s, diagonal))
             loss = tf.reduce_sum(rows * rows)
         return rows, tape.gradient(loss, x)
 
