@@ -154,6 +154,22 @@ def _merge_copies_into(graph: Graph, node: node_def_pb2.NodeDef) -> None:
         graph.prune()
 
 
+def _only_updates(graph: Graph, node: node_def_pb2.NodeDef, setting: set[str]) -> bool:
+    """Whether the diagonal `node` reads is read only to update it (`set_diag(K, diag_part(K)
+    + c)`, directly or through the add): then it stays with K. A diagonal read for more (a
+    Jacobi preconditioner's `1 / diag(K + c·I)` outside the loop that reads K) is taken of
+    K's operands, so that nothing outside the loop reads K whole."""
+    def readers(name: str) -> list[str]:
+        return [reader for reader, _ in graph.consumers(name)]
+
+    for reader in readers(node.name):
+        if reader in setting:
+            continue
+        if graph.node(reader).op not in ("Add", "AddV2") or any(r not in setting for r in readers(reader)):
+            return False
+    return True
+
+
 def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
     """Why the diagonal `node` is not pushed into its matrix's op (None: it is)."""
     problem = DIAG_OPS[node.op](graph, node)
@@ -173,7 +189,7 @@ def _why_not(graph: Graph, node: node_def_pb2.NodeDef) -> str | None:
     if _returned(graph, matrix):
         return f"{matrix.name} is one of the program's outputs: it is formed whole anyway"
     setting = sorted(reader for reader, _ in graph.consumers(matrix) if graph.node(reader).op in SET_DIAG_OPS)
-    if setting:
+    if setting and _only_updates(graph, node, set(setting)):
         return (f"{matrix.name} has its diagonal set by {setting[0]} (`K + c·I` in place): the diagonal it reads "
                 "stays with it, for the splitter to make both in chunks")
     if producer.op in _REDUCTIONS:

@@ -86,6 +86,42 @@ def test_conjugate_gradients_recompute_k_in_chunks_and_equal_stock(rng):
     np.testing.assert_allclose(wrapped(x, y), want, rtol=1e-9, atol=1e-12 * float(tf.reduce_max(tf.abs(want))))
 
 
+def jacobi_preconditioned_cg(steps: int, jitter: float):
+    """CG on (K + cI) α = y preconditioned by 1 / diag(K + cI), computed before the loop."""
+    def solve(x, y):
+        a = _kernel(x) + jitter * tf.eye(x.shape[0], dtype=x.dtype)
+        m_inv = 1.0 / tf.linalg.diag_part(a)[:, None]
+
+        def body(i, sol, r, p, rz):
+            ap = a @ p
+            alpha = rz / tf.reduce_sum(p * ap)
+            sol, r = sol + alpha * p, r - alpha * ap
+            rz_new = tf.reduce_sum(r * m_inv * r)
+            return i + 1, sol, r, m_inv * r + (rz_new / rz) * p, rz_new
+
+        _, sol, *_ = tf.while_loop(lambda i, *_: i < steps, body, (tf.constant(0), tf.zeros_like(y), y, m_inv * y,
+                                                                    tf.reduce_sum(y * m_inv * y)),
+                                   maximum_iterations=steps)
+        return sol
+    return solve
+
+
+@pytest.mark.parametrize("jitter", [0.5, 2.0])
+def test_a_jacobi_preconditioner_reads_the_diagonal_of_k_from_the_points_and_k_is_recomputed(rng, jitter):
+    """diag(K + cI) read outside the loop is taken of K's operands (DiagOfElementwise): nothing
+    outside the loop reads K whole, so K is recomputed in chunks inside it (fuzz 9: K held)."""
+    n = 400
+    x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
+    fn = jacobi_preconditioned_cg(steps=8, jitter=jitter)
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
+    report = wrapped.explain(x, y)
+    assert len(_records(report, SINK)) == 1, report.summary()
+    assert [r for r in report.records if r.rule == "DiagOfElementwise" and r.status == "fired"]
+    assert report.memory_after.peak_bytes < n * n * 8 and report.xla_bytes_after < n * n * 8
+    want = tf.function(fn, jit_compile=True)(x, y)
+    np.testing.assert_allclose(wrapped(x, y), want, rtol=1e-9, atol=1e-12 * float(tf.reduce_max(tf.abs(want))))
+
+
 def test_power_iteration_sinks_k_and_splits_its_read_after_the_loop(rng):
     n = 400
     x = _points(rng, n)
