@@ -148,7 +148,8 @@ class Planner:
             self.split_all(threshold, split_size)
         elif estimate_memory(self.graph).peak_bytes > target:
             self.sink_all(target // _SURELY_SPLIT_SHARE, target, split_size)
-            self.split_all(target // _SURELY_SPLIT_SHARE, min(split_size or target, target // _FIRST_BODY_SHARE))
+            self.split_all(target // _SURELY_SPLIT_SHARE, min(split_size or target, target // _FIRST_BODY_SHARE),
+                           slice_limit=0 if split_size else target // _SURELY_SPLIT_SHARE)
         return self.fit_budget(target, split_size)
 
     def __init__(self, pass_name: str, graph: Graph, *, loop_body: bool = False) -> None:
@@ -165,8 +166,9 @@ class Planner:
 
     # --- by threshold -----------------------------------------------------------------
 
-    def split_all(self, threshold: int, split_size: int) -> None:
-        """Splits around every tensor over `threshold`, largest first."""
+    def split_all(self, threshold: int, split_size: int, *, slice_limit: int = 0) -> None:
+        """Splits around every tensor over `threshold`, largest first (`slice_limit`: see
+        `best_region`)."""
         graph = self.graph
         before = estimate_memory(graph).peak_bytes
         checkpoint = self._checkpoint()
@@ -183,7 +185,7 @@ class Planner:
                 self.given_up.add(seed)  # a loop's own assembly of what it writes out
                 continue
             region, reason = best_region(graph, seed, threshold, split_size,
-                                         assemble_returned=self.assemble_returned)
+                                         assemble_returned=self.assemble_returned, slice_limit=slice_limit)
             if region is None or tuple(region.nodes) in self.seen_regions:
                 self.given_up.add(seed)
                 if region is None:
@@ -294,8 +296,12 @@ class Planner:
             if sunk is not None:
                 return sunk  # its readers outside the loops (if any) are split next
             self.given_up.add(seed)
+            # With no split size from the user, a chunk of one slice (a batch's [n, n] matrix,
+            # split only on its batch axis) may take more than the first chunk's share of the
+            # plan: the loop is kept only if the peak it leaves is lower.
             region, reason = best_region(graph, seed, live.nbytes - 1, chunk_budget,
-                                         assemble_returned=self.assemble_returned)
+                                         assemble_returned=self.assemble_returned,
+                                         slice_limit=0 if split_size else plan // _SURELY_SPLIT_SHARE)
             if region is None:
                 self._reject(seed, reason)
                 continue
@@ -794,11 +800,13 @@ def _largest_computed(graph: Graph, threshold: int, skip: set[TensorRef], *,
 
 
 def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int, *,
-                assemble_returned: bool = True) -> tuple[SliceRegion | None, str]:
+                assemble_returned: bool = True, slice_limit: int = 0) -> tuple[SliceRegion | None, str]:
     """The region around `seed` that leaves fewest tensors over `threshold` whole, or why none works.
 
     `assemble_returned`: a tensor the program returns may be written out whatever its size
     (not in a loop body: see `Planner.assemble_returned`).
+    `slice_limit`: a chunk of one slice may be this large when a slice is over `split_size`
+    (a split size the budget chose, not the user: the loop is judged by the peak it leaves).
     """
     spec = graph.spec(seed)
     reasons = []
@@ -817,9 +825,9 @@ def best_region(graph: Graph, seed: TensorRef, threshold: int, split_size: int, 
         if isinstance(region, str):
             reasons.append(f"axis {axis}: {region}")
             continue
-        if region.per_unit_bytes(graph) > split_size:
+        if region.per_unit_bytes(graph) > max(split_size, slice_limit):
             reasons.append(f"axis {axis}: a single slice is {region.per_unit_bytes(graph)} bytes, over the "
-                           f"split size {split_size} (splitting two axes at once is not supported)")
+                           f"split size {max(split_size, slice_limit)} (splitting two axes at once is not supported)")
             continue
         oversized_out = region.left_whole(graph, threshold, assemble_returned=assemble_returned)
         if seed in oversized_out:
