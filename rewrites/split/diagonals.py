@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
 from tfmem.graph import Graph, TensorRef
 
 # Every version of the two ops; the first takes no offset `k` (it is the main diagonal).
@@ -105,6 +106,47 @@ def lower_matrix_diags(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
             [new] = graph.splice(lambda v, pad, n=int(shape[-1]): tf.where(diagonal_mask(n), tf.expand_dims(v, -2),
                                                                             pad),
                                  [inputs[0], inputs[4]], scope=f"{node.name}_lowered")
+        graph.replace_all_uses(TensorRef(node.name), new)
+        lowered[TensorRef(node.name)] = new
+    if lowered:
+        graph.prune()
+    return lowered
+
+
+# Readers through which a row chunk of a band flows on (the band's own rows): a causal
+# mask's scores go to elementwise ops, a softmax, a reduction or a product.
+_ROW_LOCAL_READERS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
+    "Softmax", "LogSoftmax", "Sum", "Max", "Min", "Mean", "Prod", "Select", "MatMul", "BatchMatMulV2",
+    "BatchMatMulV3"})
+
+
+def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
+    """Lowers every `band_part(X, lower, upper)` of a matrix over `limit` bytes, its limits
+    constants and its readers row-local (`_ROW_LOCAL_READERS`), to `where(B, X, 0)` with B the band as iota compares (a causal mask,
+    `band_part(S, -1, 0)`): a row chunk's band moves with it, so only the select splits by
+    rows; returns each lowered output → its new tensor."""
+    lowered: dict[TensorRef, TensorRef] = {}
+    for node in graph.nodes:
+        if node.op != "MatrixBandPart" or (graph.nbytes(TensorRef(node.name)) or 0) <= limit:
+            continue
+        if any(graph.node(reader).op not in _ROW_LOCAL_READERS for reader, _ in graph.consumers(node.name)):
+            continue  # a solve or a factorization reads the band whole: nothing to split it for
+        matrix, lower_ref, upper_ref = graph.inputs(node.name)
+        shape = graph.spec(matrix).shape
+        lower, upper = graph.constant_value(lower_ref), graph.constant_value(upper_ref)
+        if lower is None or upper is None or not shape.is_fully_defined() or shape.rank < 2:
+            continue
+        rows, cols, lower, upper = int(shape[-2]), int(shape[-1]), int(lower), int(upper)
+
+        def banded(x: tf.Tensor, rows: int = rows, cols: int = cols, lower: int = lower,
+                   upper: int = upper) -> tf.Tensor:
+            below = tf.expand_dims(tf.range(rows), 1) - tf.expand_dims(tf.range(cols), 0)  # i - j
+            keep = tf.ones([rows, cols], tf.bool) if lower < 0 else below <= lower
+            if upper >= 0:
+                keep = tf.logical_and(keep, -below <= upper)
+            return tf.where(keep, x, tf.zeros([], x.dtype))
+
+        [new] = graph.splice(banded, [matrix], scope=f"{node.name}_lowered")
         graph.replace_all_uses(TensorRef(node.name), new)
         lowered[TensorRef(node.name)] = new
     if lowered:

@@ -38,7 +38,7 @@ from tfmem.passes import RewriteRecord
 from tfmem.report import SPLIT_RULE, XLA_SHRINK_RULE
 
 from rewrites.split.accumulators import collect_outer_products, outer_product_accumulators
-from rewrites.split.diagonals import lower_diagonals, lower_matrix_diags, overwritten_diagonals
+from rewrites.split.diagonals import lower_band_parts, lower_diagonals, lower_matrix_diags, overwritten_diagonals
 from rewrites.split.loops import SPLIT_SCOPE, emit_loop, even_chunk, written_out
 from rewrites.split.recompute import RECOMPUTE_RULE, cheap_cone, late_readers, recompute_for
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion, evaluated_once, grow_region, mixed_in_loop
@@ -172,11 +172,12 @@ class Planner:
         graph = self.graph
         before = estimate_memory(graph).peak_bytes
         checkpoint = self._checkpoint()
-        # A diagonal written over (set_diag(S, -inf) before a row's logsumexp) or a matrix
-        # made from one (K + diag(noise)) ends every region as an op; as a select by the
-        # identity mask it splits by rows. Undone below when no loop comes of it.
+        # A diagonal written over (set_diag(S, -inf) before a row's logsumexp), a matrix
+        # made from one (S - diag(v)) or a band of a matrix (a causal mask) ends every region
+        # as an op; as a select by an iota mask it splits by rows. Undone below when no loop
+        # comes of it.
         lowered = {**lower_diagonals(graph, threshold, overwritten_diagonals(graph, threshold)),
-                   **lower_matrix_diags(graph, threshold)}
+                   **lower_matrix_diags(graph, threshold), **lower_band_parts(graph, threshold)}
         while len(self.loops) < _MAX_LOOPS:
             seed = _largest_computed(graph, threshold, self.given_up, skip_returned=self.assemble_returned)
             if seed is None:
