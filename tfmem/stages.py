@@ -232,8 +232,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     1. The passes plan to `Budget.plan_bytes`. A plan whose estimate fits even when XLA
        plans the estimate's largest measured error more (`Budget.fits_unchecked`) is
        compiled once, to run; not when it has an op XLA expands far beyond its output
-       (`memory.XLA_EXPANDED_OPS`: igamma, lgamma, polygamma), for which no margin holds. (Planning lower on purpose to get there would take smaller
-       chunks, and every later step would pay for the compile saved once.)
+       (`memory.XLA_EXPANDED_OPS`: igamma, lgamma, polygamma), for which no margin holds.
+       (Planning lower on purpose to get there would take smaller chunks, and every later
+       step would pay for the compile saved once.)
     2. Otherwise XLA's plan is checked. When it is over `Budget.xla_bytes`, or has a
        block too large to find room beside the rest (`Budget.xla_overshoot`), the passes
        XLA decides on (held back so far) are tried, and kept when XLA fits their plan

@@ -98,14 +98,13 @@ def lower_matrix_diags(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
         if not shape.is_fully_defined() or shape.rank < 2 or shape[-1] != shape[-2] \
                 or graph.spec(inputs[0]).shape[-1:] != shape[-1:] or not is_main_diagonal(graph, node):
             continue
-        if node.op == "MatrixDiag":
-            [new] = graph.splice(lambda v, n=int(shape[-1]): tf.where(diagonal_mask(n), tf.expand_dims(v, -2),
-                                                                      tf.zeros([], v.dtype)),
-                                 [inputs[0]], scope=f"{node.name}_lowered")
-        else:  # (diagonal, k, num_rows, num_cols, padding_value); a square main diagonal's padding
-            [new] = graph.splice(lambda v, pad, n=int(shape[-1]): tf.where(diagonal_mask(n), tf.expand_dims(v, -2),
-                                                                            pad),
-                                 [inputs[0], inputs[4]], scope=f"{node.name}_lowered")
+        # MatrixDiag pads with zeros; V2/V3 read (diagonal, k, num_rows, num_cols, padding_value).
+        operands = [inputs[0]] if node.op == "MatrixDiag" else [inputs[0], inputs[4]]
+
+        def made(v: tf.Tensor, pad: tf.Tensor | None = None, n: int = int(shape[-1])) -> tf.Tensor:
+            return tf.where(diagonal_mask(n), tf.expand_dims(v, -2), tf.zeros([], v.dtype) if pad is None else pad)
+
+        [new] = graph.splice(made, operands, scope=f"{node.name}_lowered")
         graph.replace_all_uses(TensorRef(node.name), new)
         lowered[TensorRef(node.name)] = new
     if lowered:
@@ -122,9 +121,10 @@ _ROW_LOCAL_READERS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
 
 def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
     """Lowers every `band_part(X, lower, upper)` of a matrix over `limit` bytes, its limits
-    constants and its readers row-local (`_ROW_LOCAL_READERS`), to `where(B, X, 0)` with B the band as iota compares (a causal mask,
-    `band_part(S, -1, 0)`): a row chunk's band moves with it, so only the select splits by
-    rows; returns each lowered output → its new tensor."""
+    constants and its readers row-local (`_ROW_LOCAL_READERS`), to `where(B, X, 0)` with B
+    the band as iota compares (a causal mask, `band_part(S, -1, 0)`): a row chunk's band
+    moves with it, so only the select splits by rows; returns each lowered output → its new
+    tensor."""
     lowered: dict[TensorRef, TensorRef] = {}
     for node in graph.nodes:
         if node.op != "MatrixBandPart" or (graph.nbytes(TensorRef(node.name)) or 0) <= limit:
