@@ -26,7 +26,8 @@ from rewrites.einsum_diagonal import EinsumAsDiagonal
 from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
 from rewrites.scale_by_diagonal import ScaleByDiagonal
-from rewrites.split import RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, SplitOversizedRegions
+from rewrites.split import (RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak,
+                            SplitOversizedRegions)
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
@@ -37,7 +38,8 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
                           LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts),
     "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
-    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, SolveInPlace),
+    "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak,
+              SolveInPlace),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

@@ -37,6 +37,8 @@ class PassContext:
             that did not fit (`XlaPlan.peak`), oldest first: passes may make again what XLA
             holds across one (`rewrites.split.recompute`), or take smaller chunks in a loop
             XLA peaks in (`Planner.shrink_at_xla_peaks`). Empty on a first plan.
+        newest_peak_rules: the passes that may act on the newest of `xla_peaks` (None: all);
+            `compile_within_budget` tries them one at a time when together they did not help.
 
     `budget` and `target_bytes` derive from the config key `memory_budget` (and the
     device): a pass that reads them declares `memory_budget` in its `GraphPass.reads`.
@@ -46,6 +48,7 @@ class PassContext:
     budget: Budget | None = None
     target_bytes: int | None = None
     xla_peaks: tuple[MemoryEstimate, ...] = ()
+    newest_peak_rules: frozenset[str] | None = None
 
     @classmethod
     def for_budget(cls, config: Config, budget: Budget | None) -> PassContext:

@@ -52,10 +52,12 @@ XLA_PEAK_RULE = "RecomputeAcrossXlaPeak"
 XLA_SHRINK_RULE = "ShrinkLoopAtXlaPeak"
 # The rule of `rewrites.split.earlier.reduce_before_xla_peak`: what XLA reduced at its peak, reduced first.
 XLA_EARLIER_RULE = "ReduceBeforeXlaPeak"
+# The rule of `rewrites.split.held.reduce_held_before_xla_peak`: what XLA held across its peak to fold, folded first.
+XLA_HELD_RULE = "ReduceHeldBeforeXlaPeak"
 # The rule of `rewrites.split.planner.Planner`: a region split into loop chunks (or why not).
 SPLIT_RULE = "SplitOversizedRegions"
 # The rules that act on XLA's peak (`PassContext.xla_peaks`): a plan they change is compiled and checked again.
-XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE})
+XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,8 +289,11 @@ class Report:
                       f"{sunk.details['recomputed_in']}, not held")
         for again in (r for r in self.splits if "recomputed_for" in r.details):  # rewrites.split.recompute
             split += f"; {again.details['tensor']} {again.details['shape']} made again for its late readers, not held"
-        for earlier in (r for r in self.splits if "before" in r.details):  # rewrites.split.earlier
-            split += f"; {earlier.details['results']} reduced before XLA makes {earlier.details['before']}"
+        for earlier in (r for r in self.splits if "before" in r.details):
+            if earlier.rule == XLA_HELD_RULE:  # rewrites.split.held
+                split += f"; {earlier.details['tensor']} folded in a loop before {earlier.details['before']}, not held"
+            else:  # rewrites.split.earlier
+                split += f"; {earlier.details['results']} reduced before XLA makes {earlier.details['before']}"
         if self.budget is None:
             hint = "" if loops else self._why_nothing_split()
             if self.config.budget_off:

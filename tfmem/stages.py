@@ -39,8 +39,8 @@ from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_expanded_ops, xla_plan
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
-from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_PEAK_RULE, XLA_PEAK_RULES,
-                          XLA_SHRINK_RULE, Report)
+from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_PEAK_RULE,
+                          XLA_PEAK_RULES, XLA_SHRINK_RULE, Report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Traced:
     def rewrite(self, config: Config | None = None, *, passes: Sequence[GraphPass] | None = None,
                 lint: bool = False, device: str | None = None, budget: Budget | None = None,
                 target_bytes: int | None = None, xla_peaks: Sequence[MemoryEstimate] = (),
-                xla_checked: bool = True) -> Rewritten:
+                xla_checked: bool = True, newest_peak_rules: frozenset[str] | None = None) -> Rewritten:
         """Runs the pass pipeline under `config` (default: `Config()`) for `device`.
 
         Args:
@@ -91,6 +91,8 @@ class Traced:
                 oldest first (`PassContext.xla_peaks`).
             xla_checked: run the passes XLA decides on (`GraphPass.xla_checked`) too;
                 `compile_within_budget` holds them back until a plan does not fit.
+            newest_peak_rules: the passes that may act on the newest of `xla_peaks`
+                (`PassContext.newest_peak_rules`); None = all.
 
         Raises:
             PassError: naming the pass that failed.
@@ -104,6 +106,8 @@ class Traced:
             context = context.tightened(target_bytes)
         if xla_peaks:
             context = context.seeing(*xla_peaks)
+        if newest_peak_rules is not None:
+            context = dataclasses.replace(context, newest_peak_rules=newest_peak_rules)
         # The registered pipeline is made anew from the config; given passes are the same objects.
         # Plans with and without the passes XLA decides on share a cached prefix only as far as
         # their passes agree: `PassManager.prefix_key` names the passes each prefix ran.
@@ -396,38 +400,83 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
             return compiled
         peaks = (*peaks, plan.peak_with_others)
         start = time.perf_counter()
-        again = traced.rewrite(config, passes=passes, lint=lint, budget=budget,
-                               target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks,
-                               xla_checked=xla_checked)
-        acted = [r for r in again.records if r.rule in XLA_PEAK_RULES and r.status == "fired"]
+
+        def rewrite(rules: frozenset[str] | None) -> Rewritten:
+            return traced.rewrite(config, passes=passes, lint=lint, budget=budget,
+                                  target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks,
+                                  xla_checked=xla_checked, newest_peak_rules=rules)
+
+        def acted_in(rewritten: Rewritten) -> list[RewriteRecord]:
+            return [r for r in rewritten.records if r.rule in XLA_PEAK_RULES and r.status == "fired"]
+
+        again = rewrite(None)
+        acted = acted_in(again)
         if len(acted) <= acted_before:  # nothing new: say why not, from what each rule found
             why = tuple(r for r in again.records if r.rule in XLA_PEAK_RULES and r.status != "fired")
             return _noted(compiled, why, check_seconds=compiled.check_seconds + time.perf_counter() - start)
-        acted_before = len(acted)
-        candidate = again.compile(input_signature=input_signature, name=name)
-        planned = candidate.xla_plan(*args, **kwargs)
+        tried = [_xla_peak_round(again, acted, budget, args, kwargs, input_signature=input_signature, name=name)]
+        # Rules that each lower XLA's peak can raise it together (a tensor made again after the
+        # peak that another rule made XLA compute before it): when the round does not fit
+        # better, each rule that acted is tried alone on the newest peak.
+        rules = list(dict.fromkeys(r.pass_name for r in acted))
+        if not tried[0].better_than(compiled) and len(rules) > 1:
+            for rule in rules:
+                alone = rewrite(frozenset({rule}))
+                acted_alone = acted_in(alone)
+                if len(acted_alone) > acted_before:
+                    tried.append(_xla_peak_round(alone, acted_alone, budget, args, kwargs,
+                                                 input_signature=input_signature, name=name))
+        best = min(tried, key=lambda t: t.overshoot if t.overshoot is not None else float("inf"))
         check_seconds = compiled.check_seconds + time.perf_counter() - start
-        held = allocator_held()
-        changes = "; ".join(dict.fromkeys(_xla_peak_change(r) for r in acted))
-        overshoot = budget.plan_overshoot(planned, held) if planned is not None else None
         # Kept for what decides the verdict: XLA's plan must fit better, not only be smaller.
-        if overshoot is None or compiled.xla_overshoot is None or overshoot >= compiled.xla_overshoot:
-            note = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
-                f"not kept: with {changes}, XLA plans "
-                + (f"{format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)})" if planned is not None and
-                   overshoot is not None else "nothing it can compile")
-                + f", {format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot or 0)}) without"))
-            return _noted(compiled, (note,), check_seconds=check_seconds)
+        if not best.better_than(compiled):
+            notes = tuple(RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "rejected", kind="plan", reason=(
+                f"not kept: with {t.changes}, XLA plans "
+                + (f"{format_size(t.planned.total_bytes)} ({budget.describe_overshoot(t.overshoot)})"
+                   if t.planned is not None and t.overshoot is not None else "nothing it can compile")
+                + f", {format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot or 0)}) "
+                  "without")) for t in tried)
+            return _noted(compiled, notes, check_seconds=check_seconds)
+        acted_before = len(best.acted)
         notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
         kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
-            f"kept: with {changes}, XLA plans {format_size(planned.total_bytes)} ({budget.describe_overshoot(overshoot)}), "
+            f"kept: with {best.changes}, XLA plans {format_size(best.planned.total_bytes)} "
+            f"({budget.describe_overshoot(best.overshoot)}), "
             f"{format_size(plan.total_bytes)} ({budget.describe_overshoot(compiled.xla_overshoot)}) without"),
-            details={"xla_with_bytes": planned.total_bytes, "xla_without_bytes": plan.total_bytes})
-        rewritten = dataclasses.replace(again, records=(*notes, *again.records, kept),
-                                        seconds=compiled.rewritten.seconds + again.seconds)
-        compiled = dataclasses.replace(candidate, rewritten=rewritten, checked_plan=planned,
-                                       xla_overshoot=overshoot, check_seconds=check_seconds, held=held)
+            details={"xla_with_bytes": best.planned.total_bytes, "xla_without_bytes": plan.total_bytes})
+        rewritten = dataclasses.replace(best.rewritten, records=(*notes, *best.rewritten.records, kept),
+                                        seconds=compiled.rewritten.seconds + best.rewritten.seconds)
+        compiled = dataclasses.replace(best.candidate, rewritten=rewritten, checked_plan=best.planned,
+                                       xla_overshoot=best.overshoot, check_seconds=check_seconds, held=best.held)
     return compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class _XlaPeakRound:
+    """One plan of `_plan_around_xla_peaks`, compiled and checked."""
+
+    rewritten: Rewritten
+    acted: list[RewriteRecord]
+    candidate: Compiled
+    planned: XlaPlan | None
+    overshoot: float | None
+    held: Any
+    changes: str
+
+    def better_than(self, compiled: Compiled) -> bool:
+        """Whether XLA's plan of it fits better than `compiled`'s."""
+        return (self.overshoot is not None and compiled.xla_overshoot is not None
+                and self.overshoot < compiled.xla_overshoot)
+
+
+def _xla_peak_round(rewritten: Rewritten, acted: list[RewriteRecord], budget: Budget, args: Sequence[Any],
+                    kwargs: Mapping[str, Any], *, input_signature: Any, name: str) -> _XlaPeakRound:
+    candidate = rewritten.compile(input_signature=input_signature, name=name)
+    planned = candidate.xla_plan(*args, **kwargs)
+    held = allocator_held()
+    overshoot = budget.plan_overshoot(planned, held) if planned is not None else None
+    changes = "; ".join(dict.fromkeys(_xla_peak_change(r) for r in acted))
+    return _XlaPeakRound(rewritten, acted, candidate, planned, overshoot, held, changes)
 
 
 def _xla_peak_change(record: RewriteRecord) -> str:
@@ -436,6 +485,8 @@ def _xla_peak_change(record: RewriteRecord) -> str:
         return f"loop {record.details.get('loop')} in chunks of {record.details.get('chunk')}"
     if record.rule == XLA_EARLIER_RULE:
         return f"{record.details.get('tensor')} reduced before {record.details.get('before')}"
+    if record.rule == XLA_HELD_RULE:
+        return f"{record.details.get('tensor')} folded before {record.details.get('before')}"
     return f"{record.details.get('tensor')} made again after XLA's peak"
 
 

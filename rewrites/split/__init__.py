@@ -33,9 +33,11 @@ from tfmem.passes import GraphPass, PassResult, RewriteRecord
 from rewrites.split.planner import Planner
 from rewrites.split.op_rules import SUPPORTED_OPS
 from rewrites.split.earlier import reduce_before_xla_peak
+from rewrites.split.held import reduce_held_before_xla_peak
 from rewrites.split.recompute import recompute_across_xla_peak
 
-__all__ = ["RecomputeAcrossXlaPeak", "ReduceBeforeXlaPeak", "SplitOversizedRegions", "SUPPORTED_OPS"]
+__all__ = ["RecomputeAcrossXlaPeak", "ReduceBeforeXlaPeak", "ReduceHeldBeforeXlaPeak", "SplitOversizedRegions",
+           "SUPPORTED_OPS"]
 
 
 class SplitOversizedRegions(GraphPass):
@@ -86,7 +88,10 @@ class _ActOnXlaPeaks(GraphPass):
     act: Callable[[Graph, MemoryEstimate, str], list[RewriteRecord]]
 
     def run(self, graph: Graph, context: PassContext) -> PassResult:
-        records = [record for peak in context.xla_peaks for record in type(self).act(graph, peak, self.name)]
+        peaks = list(context.xla_peaks)
+        if context.newest_peak_rules is not None and self.name not in context.newest_peak_rules:
+            peaks = peaks[:-1]  # another rule is tried alone on the newest peak
+        records = [record for peak in peaks for record in type(self).act(graph, peak, self.name)]
         return PassResult(graph, any(r.status == "fired" for r in records), records)
 
 
@@ -107,3 +112,13 @@ class ReduceBeforeXlaPeak(_ActOnXlaPeaks):
 
     name = "reduce_before_xla_peak"
     act = staticmethod(reduce_before_xla_peak)
+
+
+class ReduceHeldBeforeXlaPeak(_ActOnXlaPeaks):
+    """Folds first what XLA held across its peak only to fold later, when a plan XLA
+    compiled did not fit: a big tensor that cheap ops reduce to small results or into a
+    sum (a triangular parameter's gradient) is reduced in a loop of one trip that the op
+    at the peak waits for (`held.reduce_held_before_xla_peak`)."""
+
+    name = "reduce_held_before_xla_peak"
+    act = staticmethod(reduce_held_before_xla_peak)

@@ -63,7 +63,7 @@ CHEAP_OPS = (UNARY_OPS | ELEMENTWISE_OPS) - XLA_EXPANDED_OPS | frozenset({
     "MatrixBandPart", "Select", "ZerosLike", "OnesLike",
     # Copies of parts of their input: TFP's `fill_triangular` (GPflow's triangular `q_sqrt`).
     "ConcatV2", "ReverseV2", "StridedSlice", "Slice"})
-_PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+PRODUCT_OPS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # How many of the ops a reader's result flows into (the first the schedule runs) are
 # searched for a tie when the reader's own inputs are constants.
 _TIE_SEARCH = 32
@@ -99,7 +99,7 @@ def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizatio
         op = graph.node(name).op
         if factorizations and op in FACTORIZATION_OPS:
             return None
-        if op in _PRODUCT_OPS:
+        if op in PRODUCT_OPS:
             inner = _inner_dimension(graph, name)
             if inner is None or inner > MAX_INNER:
                 return f"{tensor.name} is made by {name} ({op}), a product over {inner or 'unknown'} terms"
