@@ -19,6 +19,7 @@ from rewrites.solve_in_place import SolveInPlace
 from rewrites.solve_not_invert import SolveInsteadOfInverse
 from rewrites.splat_operands import ScalarForSplatOperand
 from rewrites.splats import CanonicalizeSplats
+from rewrites.segment_ids import UnflattenSegmentIds
 from rewrites.squared_distance import ExpandSquaredDistance
 from rewrites.diag_of_elementwise import DiagOfElementwise
 from rewrites.diag_of_product import ContractDiagOfProduct
@@ -32,8 +33,8 @@ from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
 
 PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
-    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, ScalarForSplatOperand, MergeDuplicates,
-                GrapplerCleanup, DropOrderOnlyControlEdges),
+    "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, ScalarForSplatOperand, UnflattenSegmentIds,
+                MergeDuplicates, GrapplerCleanup, DropOrderOnlyControlEdges),
     "match_and_replace": (EinsumAsMatMul, EinsumAsDiagonal, ExpandSquaredDistance, AddDiagonal,
                           LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts),
     "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),

@@ -410,6 +410,23 @@ def _gather(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     return classes
 
 
+_SEGMENT_REDUCTIONS = {"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max", "UnsortedSegmentMin": "min",
+                       "UnsortedSegmentProd": "prod"}
+
+
+def _unsorted_segment(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
+    """`UnsortedSegmentSum(data, segment_ids, num_segments)` (a gather's gradient): the axes
+    of `data` the ids index are reduced, each chunk's segments merged by the op's own
+    reduction (a segment no chunk row falls in holds the merge's identity); data's other
+    axes map to the output's after its first."""
+    data, ids, _ = _operands(graph, node)
+    k, rank = len(_shape(graph, ids)), len(_shape(graph, data))
+    out = TensorRef(node.name)
+    combine = _SEGMENT_REDUCTIONS[node.op]
+    return ([DimClass(((data, i), (ids, i)), combine=combine) for i in range(k)]
+            + [DimClass(((data, j), (out, j - k + 1))) for j in range(k, rank)])
+
+
 def _concat(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     *values, axis_ref = _operands(graph, node)
     out = TensorRef(node.name)
@@ -505,6 +522,7 @@ _RULES: dict[str, Callable[[Graph, node_def_pb2.NodeDef], list[DimClass]]] = {
     "StridedSliceGrad": _strided_slice_grad, "ReverseV2": _reverse,
     **dict.fromkeys(["Pad", "PadV2", "MirrorPad", "MirrorPadGrad"], _pad),
     "Pack": _pack, "Unpack": _unpack, "MatrixBandPart": _batch_matrix_op, "GatherV2": _gather,
+    **dict.fromkeys(_SEGMENT_REDUCTIONS, _unsorted_segment),
     **dict.fromkeys(["Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits"], _row_wise),
 }
 SUPPORTED_OPS = frozenset(_RULES)

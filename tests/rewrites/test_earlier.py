@@ -117,7 +117,9 @@ def test_gpflow_vgp_variance_term_is_reduced_first_and_xla_plans_less():
     kept = [r for r in report.records if r.pass_name == "compile_within_budget" and r.status == "info"
             and r.reason.startswith("kept:") and "reduced before" in r.reason]
     assert kept, [str(r) for r in report.records if r.pass_name == "compile_within_budget"]
-    assert report.xla_bytes_after == kept[0].details["xla_with_bytes"]
+    # The last round kept is what runs (a later round may fold VGP's q_sqrt gradient first too).
+    assert report.xla_bytes_after == kept[-1].details["xla_with_bytes"]
+    assert kept[0].details["xla_with_bytes"] < kept[0].details["xla_without_bytes"]
     assert report.xla_bytes_after <= kept[0].details["xla_without_bytes"] - 0.25 * whole, kept[0].reason
     assert "reduced before XLA makes" in report.summary()
     want = tf.function(step, jit_compile=True)()

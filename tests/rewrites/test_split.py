@@ -373,6 +373,59 @@ def test_ops_that_move_elements_split_with_their_gradients(name: str, op: Callab
     assert want[1] is not None and _relative_error(got, want) <= 1e-12
 
 
+@pytest.mark.parametrize("ids_shape", ["rows", "pairs"])
+def test_the_gradient_of_a_gather_splits(ids_shape: str, rng: np.random.Generator) -> None:
+    """`tf.gather(table, ids)`'s gradient sums the rows of the [n, m, d] gradient into the
+    table's rows (`UnsortedSegmentSum`): in chunks, each chunk's segments added together.
+    Ids of one row per point, or one per pair of points (flattened by TensorFlow's
+    gradient, unflattened by `UnflattenSegmentIds`)."""
+    x, y = tf.constant(rng.normal(size=(240, 4))), tf.constant(rng.normal(size=(310, 4)))
+    table = tf.constant(rng.normal(size=(10, 3 if ids_shape == "pairs" else 310)))
+
+    def fn(x, y, table):
+        with tf.GradientTape() as tape:
+            tape.watch(table)
+            s = _cross(x, y)
+            if ids_shape == "pairs":
+                rows = tf.gather(table, tf.cast(s * 9.0, tf.int32))  # [n, m, 3]
+                loss = tf.reduce_sum(rows * s[..., None])
+            else:
+                rows = tf.gather(table, tf.cast(tf.reduce_mean(s, 1) * 9.0, tf.int32))  # [n, m]
+                loss = tf.reduce_sum(rows * s)
+        return loss, tf.convert_to_tensor(tape.gradient(loss, table))
+
+    threshold = 240 * 310 * 8 // 5
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    assert_split_bounded(wrapped, (x, y, table), threshold)  # the [n, m, 3] / [n, m] gradients too
+    got, want = wrapped(x, y, table), fn(x, y, table)
+    assert _relative_error(got, want) <= 1e-12
+
+
+@settings(max_examples=16, deadline=None)
+@given(op=st.sampled_from(["sum", "max", "min", "prod"]), segments=st.integers(1, 40),
+       axis=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
+def test_segment_reductions_split_along_either_axis(op: str, segments: int, axis: int, seed: int) -> None:
+    """`unsorted_segment_{sum,max,min,prod}` of an [n, m] matrix by row ids (some segments
+    empty: they hold the reduction's identity, chunk by chunk as whole) equals the unsplit
+    result, split along the rows (chunks merged) or the columns (mapped through)."""
+    rng = np.random.default_rng(seed)
+    n, m = 230, 190
+    x, y = tf.constant(rng.normal(size=(n, 4))), tf.constant(rng.normal(size=(m, 4)))
+    ids = tf.constant(rng.integers(0, segments, size=(n, m)[axis]).astype(np.int32))
+    reduce = getattr(tf.math, f"unsorted_segment_{op}")
+
+    def fn(x, y, ids):
+        s = 0.5 + _cross(x, y)  # (0.5, 1.5]: products neither vanish nor overflow
+        if axis == 1:  # segments of columns
+            return tf.transpose(reduce(tf.transpose(s), ids, segments + 3))
+        return reduce(s, ids, segments + 3)  # three segments always empty
+
+    threshold = n * m * 8 // 5
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    assert_split_bounded(wrapped, (x, y, ids), threshold)
+    assert _relative_error(wrapped(x, y, ids), fn(x, y, ids)) <= 1e-12
+
+
 @settings(max_examples=12, deadline=None)
 @given(op=st.sampled_from(["cumsum", "cumprod", "cumulative_logsumexp"]), axis=st.sampled_from([0, 1]),
        exclusive=st.booleans(), reverse=st.booleans(), n=st.integers(150, 260), m=st.integers(150, 260),
