@@ -205,6 +205,7 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
     slot = _input_to_tie(graph, peak_node)
     if slot is None:
         return rejected(f"{peak_node} reads no floating-point tensor to order")
+    folded_bytes = fold.nbytes(graph)
     checkpoint = graph.copy()
     try:
         results = _fold_in_loop(graph, fold)
@@ -217,7 +218,7 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
     return [RewriteRecord(
         pass_name, XLA_HELD_RULE, "fired", (fold.source.node,), kind="split",
         reason=f"XLA held {fold.source.name} ({format_size(nbytes)}) across its peak at {peak_node} to fold it "
-               f"later: folded before it, to {format_size(fold.nbytes(graph))}",
+               f"later: folded before it, to {format_size(folded_bytes)}",
         details={"tensor": fold.source.node, "before": peak_node, "nodes": len(fold.nodes)})]
 
 
@@ -281,6 +282,9 @@ def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
         graph.replace_all_uses(ref, new)  # the fold's own readers of it are left dead
     for (name, slots), new in zip(sums, refs[len(small):]):
         _replace_operands(graph, name, slots, new)
+    for name in reversed(fold.nodes):  # the fold outside the loop is read no more
+        if not graph.node_consumers(name) and not any(out.node == name for out in graph.outputs):
+            graph.remove(name)
     return refs
 
 

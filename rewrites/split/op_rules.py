@@ -396,17 +396,21 @@ def _batch_matrix_op(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]
 
 
 def _gather(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
-    """`GatherV2(params, indices, axis)`: params' other axes and the indices' axes map to
-    the output (`params[:axis] + indices + params[axis + 1:]`); the gathered axis is read whole."""
+    """`GatherV2(params, indices, axis, batch_dims=b)`: the output is
+    `params[:axis] + indices[b:] + params[axis + 1:]`. The first `b` (batch) axes of all
+    three split together; params' other axes and the indices' other axes map to the
+    output's; the gathered axis is read whole."""
     params, indices, axis_ref = _operands(graph, node)
-    if node.attr["batch_dims"].i:
-        raise NoRule("gather with batch_dims")
     rank, index_rank = len(_shape(graph, params)), len(_shape(graph, indices))
+    batch = node.attr["batch_dims"].i % (index_rank + 1) if node.attr["batch_dims"].i < 0 else node.attr["batch_dims"].i
     axis = int(_const(graph, axis_ref, "axis")) % rank
+    if axis < batch:
+        raise NoRule(f"gather along axis {axis}, inside its {batch} batch axes")
     out = TensorRef(node.name)
-    classes = [DimClass(((params, j), (out, j))) for j in range(axis)]
-    classes += [DimClass(((indices, k), (out, axis + k))) for k in range(index_rank)]
-    classes += [DimClass(((params, j), (out, j + index_rank - 1))) for j in range(axis + 1, rank)]
+    classes = [DimClass(((params, j), (indices, j), (out, j))) for j in range(batch)]
+    classes += [DimClass(((params, j), (out, j))) for j in range(batch, axis)]
+    classes += [DimClass(((indices, k), (out, axis + k - batch))) for k in range(batch, index_rank)]
+    classes += [DimClass(((params, j), (out, j + index_rank - batch - 1))) for j in range(axis + 1, rank)]
     return classes
 
 

@@ -401,6 +401,24 @@ def test_the_gradient_of_a_gather_splits(ids_shape: str, rng: np.random.Generato
     assert _relative_error(got, want) <= 1e-12
 
 
+@pytest.mark.parametrize("batch_dims, axis", [(1, 1), (1, -1), (0, 1)])
+def test_a_gather_with_batch_dims_splits_along_them(batch_dims: int, axis: int, rng: np.random.Generator) -> None:
+    """`tf.gather(s, ids, batch_dims=1)`: each row picks its own columns (the values of a
+    row's nearest neighbours); the rows split, for the gather as for the [n, m] it reads."""
+    x, y = tf.constant(rng.normal(size=(240, 4))), tf.constant(rng.normal(size=(310, 4)))
+
+    def fn(x, y):
+        s = _cross(x, y)
+        _, ids = tf.math.top_k(s, k=8)  # [n, 8]
+        picked = tf.gather(s, ids if batch_dims else ids[0], axis=axis, batch_dims=batch_dims)
+        return tf.reduce_sum(picked * picked, axis=-1) + tf.reduce_sum(tf.math.log1p(s), axis=1)
+
+    threshold = 240 * 310 * 8 // 5
+    wrapped = tfmem.TfmemFunction(fn, config=split_config(threshold), lint=True)
+    assert_split_bounded(wrapped, (x, y), threshold)
+    assert _relative_error(wrapped(x, y), fn(x, y)) <= 1e-12
+
+
 @settings(max_examples=16, deadline=None)
 @given(op=st.sampled_from(["sum", "max", "min", "prod"]), segments=st.integers(1, 40),
        axis=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
