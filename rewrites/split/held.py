@@ -37,7 +37,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfmem.config import format_size
-from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
 from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_HELD_RULE
@@ -294,13 +294,8 @@ def _replace_operands(graph: Graph, name: str, slots: tuple[int, ...], partial: 
     if node.op != "AddN":  # AddV2 / Add: one operand from the fold (both would be walked through)
         graph.set_input(name, slots[0], partial)
         return
-    operands = graph.inputs(name)
-    control = [f"^{c}" for c in graph.control_inputs(name)]
-    kept = [ref for slot, ref in enumerate(operands) if slot not in slots]
-    new = type(node)()
-    new.CopyFrom(node)
-    del new.input[:]
-    new.input.extend([partial.as_input(), *(ref.as_input() for ref in kept), *control])
+    kept = [ref for slot, ref in enumerate(graph.inputs(name)) if slot not in slots]
+    new = set_node_inputs(copy_node(node, name), [partial, *kept], graph.control_inputs(name))
     new.attr["N"].i = 1 + len(kept)
     graph.replace_node(new)
 
