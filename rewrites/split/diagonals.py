@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from rewrites.split.op_rules import ELEMENTWISE_OPS, UNARY_OPS
+from rewrites.split.op_rules import ELEMENTWISE_OPS, REDUCTION_OPS, UNARY_OPS
 from tfmem.graph import Graph, TensorRef
 
 # Every version of the two ops; the first takes no offset `k` (it is the main diagonal).
@@ -114,9 +114,8 @@ def lower_matrix_diags(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
 
 # Readers through which a row chunk of a band flows on (the band's own rows): a causal
 # mask's scores go to elementwise ops, a softmax, a reduction or a product.
-_ROW_LOCAL_READERS = UNARY_OPS | ELEMENTWISE_OPS | frozenset({
-    "Softmax", "LogSoftmax", "Sum", "Max", "Min", "Mean", "Prod", "Select", "MatMul", "BatchMatMulV2",
-    "BatchMatMulV3"})
+_ROW_LOCAL_READERS = UNARY_OPS | ELEMENTWISE_OPS | REDUCTION_OPS | frozenset({
+    "Softmax", "LogSoftmax", "Select", "MatMul", "BatchMatMulV2", "BatchMatMulV3"})
 
 
 def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:

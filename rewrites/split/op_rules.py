@@ -72,6 +72,7 @@ _ELEMENTWISE = frozenset("""Add AddV2 Sub Mul RealDiv Div DivNoNan Maximum Minim
 UNARY_OPS, ELEMENTWISE_OPS = _UNARY, _ELEMENTWISE
 _REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "Prod": "prod",
                "All": "all", "Any": "any"}
+REDUCTION_OPS = frozenset(_REDUCTIONS)
 
 
 def _operands(graph: Graph, node: node_def_pb2.NodeDef) -> list[Operand]:
