@@ -277,10 +277,18 @@ class Report:
         after = self.memory_after.peak_bytes if self.memory_after else None
         peaks = f"estimated peak {format_size(after)}, was {format_size(before)}"
         if self.xla_bytes_after is not None:
-            peaks += f" (XLA plans {format_size(self.xla_bytes_after)})"
+            worse = (self.xla_bytes_before is not None and self.xla_bytes_after > self.xla_bytes_before
+                     and self.budget is None)  # under a budget, NeverWorseThanWritten decides and says so
+            peaks += (f" (XLA plans {format_size(self.xla_bytes_after)}"
+                      + (f", more than the {format_size(self.xla_bytes_before)} it plans for the program as written"
+                         if worse else "") + ")")
         elif self.budget is not None and self.compiled is not None and self.config.jit_compile:
             peaks += f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)"
         loops = [r for r in self.splits if not {"recomputed_in", "recomputed_for", "before"} & set(r.details)]
+        if self.xla_bytes_after is None and self.budget is None and loops and self.config.jit_compile:
+            # Without a budget nothing checks the loops against XLA's own plan, which can
+            # hold more of a loop's chunks than the estimate counts (and exceed stock's).
+            peaks += " (XLA's plan not asked without a memory_budget: explain() compiles it and stock's)"
         chunks = sum(int(r.details.get("chunks", 0)) for r in loops)
         split = (f"{len(loops)} loop{'s' * (len(loops) != 1)} in {chunks} chunks" if loops
                  else "nothing split")

@@ -128,3 +128,34 @@ def test_the_verdict_reads_the_allocator_after_the_last_check(x, monkeypatch) ->
     assert report.compiled.checked_plan is not None and report.compiled.held == Held(peak=16 * 2**20)
     assert not report.fits, report.summary()
     assert "the call's outputs and the allocator's peak" in report.summary()
+
+
+def _padded_kernel_loss(x, y):
+    """A loss over a kernel matrix padded on both axes: its split leaves the slices'
+    gradients whole, and XLA plans more for the loops than for the program as written
+    (fuzz round 10's program)."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        xx = tf.reduce_sum(x * x, 1)[:, None]
+        yy = tf.reduce_sum(y * y, 1)[None, :]
+        k = tf.exp(-tf.maximum(xx + yy - 2.0 * tf.matmul(x, y, transpose_b=True), 0.0))
+        padded = tf.pad(k, [[1, 1], [1, 1]])
+        out = tf.reduce_sum(padded[1:-1, 2:] + padded[2:, 1:-1], axis=1)
+        loss = tf.reduce_sum(out)
+    return out, tape.gradient(loss, x)
+
+
+def test_without_a_budget_the_summary_says_xla_was_not_asked_and_explain_says_when_it_plans_more(
+        rng: np.random.Generator) -> None:
+    """Only `tensor_size_threshold`: nothing weighs the loops against XLA's plan (no budget
+    to keep), so the summary does not let the estimate pass for XLA's word, and `explain`,
+    which compiles both, says when XLA plans more for the rewritten program."""
+    n = 600
+    x, y = tf.constant(rng.normal(size=(n, 3))), tf.constant(rng.normal(size=(n, 3)))
+    wrapped = tfmem.function(_padded_kernel_loss, config={"tensor_size_threshold": (n + 2) ** 2 * 8 // 5})
+    assert "XLA's plan not asked without a memory_budget" in wrapped.report(x, y).summary()
+    explained = wrapped.explain(x, y)
+    assert explained.xla_bytes_after > explained.xla_bytes_before, explained.summary()
+    assert (f"XLA plans {tfmem.config.format_size(explained.xla_bytes_after)}, more than the "
+            f"{tfmem.config.format_size(explained.xla_bytes_before)} it plans for the program as written"
+            in explained.summary()), explained.summary()
