@@ -161,6 +161,23 @@ def sgpr_loss_and_gradients(n: int, m: int) -> Callable[[], Any]:
     return step
 
 
+def vgp_loss_and_gradients(n: int, dim: int, seed: int = 6) -> Callable[[], Any]:
+    """A fresh GPflow VGP's (Linear kernel, Gaussian likelihood) loss-and-gradient step on n
+    synthetic dim-d points: its `q_sqrt` is a triangular [n, n]."""
+    import gpflow
+
+    x = np.random.default_rng(seed).uniform(-3, 3, (n, dim))
+    model = gpflow.models.VGP((x, np.sin(x).sum(-1, keepdims=True)), gpflow.kernels.Linear(),
+                              gpflow.likelihoods.Gaussian(variance=0.1))
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.training_loss()
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step
+
+
 def _sgpr(n: int) -> Callable[[int], Any]:
     return lambda m: (sgpr_loss_and_gradients(n, m), (), None)
 

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmem
+from benchmarks.cases import vgp_loss_and_gradients
 from rewrites.split.earlier import reduce_before_xla_peak, small_results
 from tfmem.capture import capture
 from tfmem.memory import LiveTensor, MemoryEstimate
@@ -96,19 +97,8 @@ def test_gpflow_vgp_variance_term_is_reduced_first_and_xla_plans_less():
     """GPflow's VGP, Gaussian likelihood: XLA squares `L·q_sqrt` for the loss's variance
     term after the gradient's `[N, N]` matrices (TF 2.21 on the CPU, N=1,500: 6.13 whole
     `[N, N]` planned, 5.83 with the term reduced first)."""
-    import gpflow
-
     n = 1500
-    rng = np.random.default_rng(6)
-    x = rng.uniform(-3, 3, (n, 2))
-    model = gpflow.models.VGP((x, np.sin(x).sum(-1, keepdims=True)), gpflow.kernels.Linear(),
-                              gpflow.likelihoods.Gaussian(variance=0.1))
-
-    def step():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
-
+    step = vgp_loss_and_gradients(n, 2)
     whole = n * n * 8
     wrapped = tfmem.function(step, config=tfmem.Config(memory_budget=f"{int(5.5 * whole)}B"))
     report = wrapped.explain()

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfmem
+from benchmarks.cases import vgp_loss_and_gradients
 from rewrites.split.held import find_fold, reduce_held_before_xla_peak
 from tfmem.capture import capture
 from tfmem.graph import TensorRef
@@ -161,19 +162,8 @@ def test_gpflow_vgp_folds_its_triangular_gradient_first_and_xla_plans_less():
     """GPflow's VGP, Linear kernel, N=1,200 (TF 2.21 on the CPU): XLA held `dq`
     (`Lᵀ·dLTA`, `[N, N]`) across the Cholesky gradient's first product to fold it into
     `q_sqrt`'s gradient; folded first, it plans 56.4 MiB instead of 63.6."""
-    import gpflow
-
     n = 1200
-    rng = np.random.default_rng(6)
-    x = rng.uniform(-3, 3, (n, 3))
-    model = gpflow.models.VGP((x, np.sin(x).sum(-1, keepdims=True)), gpflow.kernels.Linear(),
-                              gpflow.likelihoods.Gaussian(variance=0.1))
-
-    def step():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
-
+    step = vgp_loss_and_gradients(n, 3)
     wrapped = tfmem.function(step, config=tfmem.Config(memory_budget=f"{int(5.5 * n * n * 8)}B"))
     report = wrapped.explain()
     fired = [r for r in report.records if r.rule == HELD and r.status == "fired"]
