@@ -403,7 +403,8 @@ def _gather(graph: Graph, node: node_def_pb2.NodeDef) -> list[DimClass]:
     output's; the gathered axis is read whole."""
     params, indices, axis_ref = _operands(graph, node)
     rank, index_rank = len(_shape(graph, params)), len(_shape(graph, indices))
-    batch = node.attr["batch_dims"].i % (index_rank + 1) if node.attr["batch_dims"].i < 0 else node.attr["batch_dims"].i
+    batch = node.attr["batch_dims"].i
+    batch += index_rank if batch < 0 else 0  # counted from the indices' last axis, as TensorFlow does
     axis = int(_const(graph, axis_ref, "axis")) % rank
     if axis < batch:
         raise NoRule(f"gather along axis {axis}, inside its {batch} batch axes")

@@ -401,7 +401,7 @@ def test_the_gradient_of_a_gather_splits(ids_shape: str, rng: np.random.Generato
     assert _relative_error(got, want) <= 1e-12
 
 
-@pytest.mark.parametrize("batch_dims, axis", [(1, 1), (1, -1), (0, 1)])
+@pytest.mark.parametrize("batch_dims, axis", [(1, 1), (1, -1), (-1, 1), (0, 1)])
 def test_a_gather_with_batch_dims_splits_along_them(batch_dims: int, axis: int, rng: np.random.Generator) -> None:
     """`tf.gather(s, ids, batch_dims=1)`: each row picks its own columns (the values of a
     row's nearest neighbours); the rows split, for the gather as for the [n, m] it reads."""
