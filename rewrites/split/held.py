@@ -171,11 +171,11 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
     read_at_peak = {ref.node for ref in graph.inputs(peak_node)}
     varying = made_from_inputs(graph)
     reasons: list[str] = []
-    candidates: list[tuple[int, Fold]] = []
+    candidates: list[tuple[int, int, Fold]] = []  # (bytes held, bytes folded to, fold)
     for node in graph.nodes:
         if node.name in after_peak or node.name in read_at_peak or node.name == peak_node:
             continue
-        for index, spec in enumerate(graph.output_specs(node.name)):
+        for index in range(len(graph.output_specs(node.name))):
             ref = TensorRef(node.name, index)
             nbytes = graph.nbytes(ref) or 0
             if not can_order(graph, ref, varying):
@@ -189,8 +189,9 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
             if isinstance(fold, str):
                 reasons.append(fold)
                 continue
-            if fold.nbytes(graph) >= nbytes:
-                reasons.append(f"{ref.name} folds to {format_size(fold.nbytes(graph))}, no less than itself")
+            folded = fold.nbytes(graph)
+            if folded >= nbytes:
+                reasons.append(f"{ref.name} folds to {format_size(folded)}, no less than itself")
                 continue
             if any(name in before_peak or name == peak_node for name in fold.nodes):
                 reasons.append(f"the op at XLA's peak needs {ref.name}'s fold")
@@ -198,14 +199,13 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
             if _fold_feeds(graph, fold) & after_peak:
                 reasons.append(f"{ref.name}'s fold reads what the op at XLA's peak makes")
                 continue
-            candidates.append((nbytes, fold))
+            candidates.append((nbytes, folded, fold))
     if not candidates:
         return rejected("; ".join(dict.fromkeys(reasons[:3])) or "XLA holds no tensor there that a cheap fold reduces")
-    nbytes, fold = max(candidates, key=lambda c: c[0] - c[1].nbytes(graph))
+    nbytes, folded, fold = max(candidates, key=lambda c: c[0] - c[1])
     slot = _input_to_tie(graph, peak_node)
     if slot is None:
         return rejected(f"{peak_node} reads no floating-point tensor to order")
-    folded_bytes = fold.nbytes(graph)
     checkpoint = graph.copy()
     try:
         results = _fold_in_loop(graph, fold)
@@ -218,7 +218,7 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
     return [RewriteRecord(
         pass_name, XLA_HELD_RULE, "fired", (fold.source.node,), kind="split",
         reason=f"XLA held {fold.source.name} ({format_size(nbytes)}) across its peak at {peak_node} to fold it "
-               f"later: folded before it, to {format_size(folded_bytes)}",
+               f"later: folded before it, to {format_size(folded)}",
         details={"tensor": fold.source.node, "before": peak_node, "nodes": len(fold.nodes)})]
 
 
@@ -247,11 +247,12 @@ def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
     # What the loop returns, by the fold's tensors it sums (a sum may read the source itself).
     wanted = small + [graph.inputs(name)[slot] for name, slots in sums for slot in slots]
     inside = set(fold.nodes)
+    made = [ref for ref in wanted if ref.node in inside]  # the rest is the source itself
 
     def build(*values: tf.Tensor) -> list[tf.Tensor]:
         given = dict(zip(feeds, values))
-        first = tf.reshape(given[fold.source], [-1])[0]
-        unknown = tf.math.not_equal(first, first) if first.dtype.is_floating else tf.constant(False)
+        first = tf.reshape(given[fold.source], [-1])[0]  # a float: candidates pass `order.can_order`
+        unknown = tf.math.not_equal(first, first)
         # One trip, or two when the first element is NaN: XLA cannot count them, so it
         # keeps the loop (the body computes the same each trip).
         start = -tf.cast(unknown, tf.int32)
@@ -265,9 +266,7 @@ def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
             local = {key: tf.identity(t) for key, t in given.items()}
             # Read through the trip counter, so that XLA cannot hoist the fold out of the loop.
             source = local[fold.source]
-            if source.dtype.is_floating:
-                local[fold.source] = source - tf.cast(i < -2, source.dtype) * tf.zeros([], source.dtype)
-            made = [ref for ref in wanted if ref.node in inside]
+            local[fold.source] = source - tf.cast(i < -2, source.dtype) * tf.zeros([], source.dtype)
             imported = dict(zip(made, cut.import_into(local, made, name="fold")))
             got = iter(imported[ref] if ref in imported else local[ref] for ref in wanted)
             results = [next(got) for _ in small]
