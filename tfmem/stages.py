@@ -460,7 +460,7 @@ class _XlaPeakRound:
     candidate: Compiled
     planned: XlaPlan | None
     overshoot: float | None
-    held: Any
+    held: Held
     changes: str
 
     def better_than(self, compiled: Compiled) -> bool:
