@@ -32,7 +32,7 @@ from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_EARLIER_RULE
 
-from rewrites.split.order import can_order, computed_after, made_from_inputs
+from rewrites.split.order import can_order, computed_after, input_to_tie, made_from_inputs
 from rewrites.split.recompute import CHEAP_OPS
 
 # How many ops a big temporary may flow through (elementwise maps, reshapes) before it is
@@ -126,7 +126,7 @@ def reduce_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: st
         return rejected("XLA holds nothing there that it made after the op's inputs were ready "
                         "and that the op does not need")
     first = min(candidates, key=lambda name: xla_order[name])
-    slot = _input_to_tie(graph, first)
+    slot = input_to_tie(graph, first)
     if slot is None:
         return rejected(f"{first}, made after its inputs, reads no floating-point tensor to order")
     checkpoint = graph.copy()
@@ -143,14 +143,6 @@ def reduce_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: st
         reason=f"XLA ran {peak_node} at its peak ({format_size(xla_peak.peak_bytes)}) beside {first}, made after "
                f"its inputs: {', '.join(ref.name for ref in ties)} now made before {first}",
         details={"tensor": peak_node, "before": first, "results": ", ".join(ref.name for ref in ties)})]
-
-
-def _input_to_tie(graph: Graph, name: str) -> int | None:
-    """The data input of `name` to read through the tie: its smallest floating-point one
-    (the exact zero is then subtracted from the fewest elements)."""
-    slots = [(graph.nbytes(ref) or 0, slot) for slot, ref in enumerate(graph.inputs(name))
-             if graph.spec(ref).dtype.is_floating]
-    return min(slots)[1] if slots else None
 
 
 __all__ = ["reduce_before_xla_peak", "small_results"]

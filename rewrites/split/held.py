@@ -43,7 +43,7 @@ from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_HELD_RULE
 
 from rewrites.split.fragment import fragment
-from rewrites.split.order import can_order, computed_after, made_from_inputs
+from rewrites.split.order import can_order, computed_after, input_to_tie, made_from_inputs
 from rewrites.split.recompute import CHEAP_OPS, PRODUCT_OPS
 
 # A fold may pass through this many ops before its results are small or summed.
@@ -203,7 +203,7 @@ def reduce_held_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
     if not candidates:
         return rejected("; ".join(dict.fromkeys(reasons[:3])) or "XLA holds no tensor there that a cheap fold reduces")
     nbytes, folded, fold = max(candidates, key=lambda c: c[0] - c[1])
-    slot = _input_to_tie(graph, peak_node)
+    slot = input_to_tie(graph, peak_node, prefer_made_by=CHEAP_OPS)
     if slot is None:
         return rejected(f"{peak_node} reads no floating-point tensor to order")
     checkpoint = graph.copy()
@@ -226,14 +226,6 @@ def _fold_feeds(graph: Graph, fold: Fold) -> set[str]:
     """The nodes outside the fold that it reads."""
     inside = set(fold.nodes)
     return {ref.node for name in fold.nodes for ref in graph.inputs(name) if ref.node not in inside}
-
-
-def _input_to_tie(graph: Graph, name: str) -> int | None:
-    """The floating-point input of `name` to read through the tie: preferably one a cheap op
-    makes (XLA fuses the exact zero into it rather than copying it), then the smallest."""
-    slots = [(graph.node(ref.node).op not in CHEAP_OPS, graph.nbytes(ref) or 0, slot)
-             for slot, ref in enumerate(graph.inputs(name)) if graph.spec(ref).dtype.is_floating]
-    return min(slots)[2] if slots else None
 
 
 def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from collections.abc import Collection
+
 from tfmem.graph import Graph, TensorRef
 from tfmem.memory import ARG_OPS, RESIDENT_OPS
 
@@ -56,3 +58,16 @@ def can_order(graph: Graph, ref: TensorRef, varying: set[str]) -> bool:
     spec = graph.spec(ref)
     return (spec.dtype.is_floating and (spec.shape.num_elements() or 0) > 0
             and graph.node(ref.node).op not in RESIDENT_OPS and ref.node in varying)
+
+
+def input_to_tie(graph: Graph, name: str, prefer_made_by: Collection[str] = ()) -> int | None:
+    """The floating-point input of `name` to read through a tie (`computed_after`): one
+    an op in `prefer_made_by` makes, if any, then the smallest (the exact zero is then
+    subtracted from the fewest elements); None when `name` reads no float.
+
+    `rewrites.split.held` prefers cheap producers: XLA fuses the zero into a cheap op
+    rather than copying a whole matrix to subtract it.
+    """
+    slots = [(graph.node(ref.node).op not in prefer_made_by, graph.nbytes(ref) or 0, slot)
+             for slot, ref in enumerate(graph.inputs(name)) if graph.spec(ref).dtype.is_floating]
+    return min(slots)[2] if slots else None

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import tfmem
 from rewrites import passes_for
 from rewrites.solve_in_place import SolveInPlace
-from rewrites.split.order import computed_after
+from rewrites.split.order import computed_after, input_to_tie
 from rewrites.split.recompute import MAX_INNER, cheap_cone, recompute_for
 from tfmem.capture import capture
 from tfmem.graph import GraphError, TensorRef
@@ -145,6 +145,21 @@ def test_the_leaves_pass_through_bit_for_bit_whatever_the_tie_holds(dtype):
         [passed] = computed_after(tf.constant(tie, dtype), leaf)
         got, want = passed.numpy(), leaf.numpy()
         assert got.tobytes() == want.tobytes(), (tie, got, want)
+
+
+def test_the_input_read_through_a_tie_is_the_smallest_float_or_the_one_a_preferred_op_makes():
+    def program(a, row, ids):
+        return tf.exp(a) + tf.matmul(row, a), tf.cast(ids, tf.float64)  # [40, 40] + [1, 40]; a cast of ints
+
+    graph = capture(tf.function(program).get_concrete_function(
+        tf.TensorSpec([40, 40], tf.float64), tf.TensorSpec([1, 40], tf.float64),
+        tf.TensorSpec([8], tf.int32))).to_graph()
+    [add] = [node.name for node in graph.nodes if node.op == "AddV2"]
+    [cast] = [node.name for node in graph.nodes if node.op == "Cast"]
+    assert [graph.node(ref.node).op for ref in graph.inputs(add)] == ["Exp", "MatMul"]
+    assert input_to_tie(graph, add) == 1  # the smaller: fewer elements take the zero
+    assert input_to_tie(graph, add, prefer_made_by={"Exp"}) == 0  # a cheap op fuses the zero
+    assert input_to_tie(graph, cast) is None  # it reads no float
 
 
 @pytest.mark.parametrize("kernel", ["SquaredExponential", "Matern52"])
