@@ -21,9 +21,12 @@ test that reads it.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -95,6 +98,14 @@ def run_command(args: Sequence[str], *, cwd: str | None = None, timeout: float =
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def scratch_directory(prefix: str) -> str:
+    """A fresh directory for a job's output, removed when the test process exits (the
+    tests read it after the job returns, so it cannot be removed with the job)."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def cancel_pending() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
 import pytest
@@ -25,7 +24,7 @@ def harness_quick() -> tuple[dict, str]:
 
     No time limit but the hang guard's: the harness's own time caps scale with the machine's load.
     """
-    out_dir = tempfile.mkdtemp(prefix="tfmem-harness-quick-")
+    out_dir = background.scratch_directory("tfmem-harness-quick-")
     out = os.path.join(out_dir, "results.json")
     background.run_command([sys.executable, "-m", "benchmarks.harness", "--quick", f"--out={out}"], cwd=REPO)
     with open(out) as f:

@@ -5,7 +5,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ def compare_quick() -> tuple[int, str, str, Path]:
 
     No time limit but the hang guard's: on a busy machine the sweep takes longer, it does not fail.
     """
-    out = Path(tempfile.mkdtemp(prefix="tfmem-compare-quick-"))
+    out = Path(background.scratch_directory("tfmem-compare-quick-"))
     proc = background.run_command([sys.executable, "-m", "gpflow_integration.compare", "--quick",
                                    "--timeout_seconds", "none", "--output_dir", str(out)], cwd=str(REPO))
     return proc.returncode, proc.stdout, proc.stderr, out
