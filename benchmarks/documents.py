@@ -5,10 +5,11 @@ run, `render_again` rewrites the page from saved JSON (after a change to the ren
 
 Example:
     >>> import tempfile
-    >>> path = os.path.join(tempfile.mkdtemp(), "results.json")
-    >>> write(path, {"n": 3}, "PAGE.md", lambda document: f"n = {document['n']}")
-    >>> render_again(path, "PAGE.md", lambda document: f"n is {document['n']}")
-    >>> open(os.path.join(os.path.dirname(path), "PAGE.md")).read()
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     path = os.path.join(directory, "results.json")
+    ...     write(path, {"n": 3}, "PAGE.md", lambda document: f"n = {document['n']}")
+    ...     render_again(path, "PAGE.md", lambda document: f"n is {document['n']}")
+    ...     open(os.path.join(directory, "PAGE.md")).read()
     'n is 3'
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ Example (in code; `python -m benchmarks.report` writes next to the results inste
     >>> import tempfile
     >>> with open("benchmarks/results.json") as f:
     ...     data = json.load(f)
-    >>> out = tempfile.mkdtemp()
-    >>> [os.path.relpath(p, out) for p in write_report(data, out)]  # doctest: +ELLIPSIS
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     [os.path.relpath(p, out) for p in write_report(data, out)]  # doctest: +ELLIPSIS
     ['RESULTS.md', 'plots/kernel_matmul.png', ...]
 """
 from __future__ import annotations
@@ -418,8 +418,8 @@ def write_report(data: dict[str, Any], directory: str) -> list[str]:
 
     Example:
         >>> import tempfile
-        >>> out = tempfile.mkdtemp()
-        >>> write_report(json.load(open("benchmarks/results.json")), out)[0] == os.path.join(out, "RESULTS.md")
+        >>> with tempfile.TemporaryDirectory() as out:
+        ...     write_report(json.load(open("benchmarks/results.json")), out)[0] == os.path.join(out, "RESULTS.md")
         True
     """
     os.makedirs(directory, exist_ok=True)

@@ -12,9 +12,10 @@ XLA's own compilation is not in the plan; TensorFlow keeps it between processes 
 
 Example:
     >>> import tempfile
-    >>> cache = PlanCache(tempfile.mkdtemp())
-    >>> key = cache.key("digest of the traced graph", Config(memory_budget="1GiB"), Budget(2**30, "config"))
-    >>> len(key), cache.path(key).endswith(".json")
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     cache = PlanCache(directory)
+    ...     key = cache.key("digest of the traced graph", Config(memory_budget="1GiB"), Budget(2**30, "config"))
+    ...     len(key), cache.path(key).endswith(".json")
     (64, True)
 """
 from __future__ import annotations
