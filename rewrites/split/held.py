@@ -83,7 +83,8 @@ def find_fold(graph: Graph, source: TensorRef, small: int) -> Fold | str:
     Every reader of a big tensor on the way must be a cheap op (`_FOLD_OPS`, without
     control edges or state), or a sum. A tensor of at most `small` bytes ends the walk; so
     does a sum some of whose operands the fold does not make (it is summed in part). No big
-    tensor on the way may be an output of the program.
+    tensor on the way may be an output of the program, and no op of the fold may read what
+    its results make (the loop runs before their readers).
     """
     walked: set[str] = set()
     small_results: list[TensorRef] = []
@@ -125,6 +126,11 @@ def find_fold(graph: Graph, source: TensorRef, small: int) -> Fold | str:
         return f"{source.name} is not reduced to anything"
     if any(not graph.spec(graph.inputs(name)[next(iter(slots))]).dtype.is_floating for name, slots in waiting.items()):
         return "a sum it flows into is not of floating-point tensors"
+    # The loop runs before what reads its results: its ops must not read what those make
+    # (`K + c·I` as `AddDiagonal` writes it: the diagonal is read off, summed, and set back).
+    downstream = graph.descendants(*walked) - walked
+    if any(ref.node in downstream for name in walked for ref in graph.inputs(name)):
+        return f"{source.name}'s fold reads what its own results make"
     order = [name for name in graph.topological_order() if name in walked]
     return Fold(source, tuple(order), tuple(small_results),
                 {name: tuple(sorted(slots)) for name, slots in waiting.items()})

@@ -56,6 +56,11 @@ def fold_to_sums(a, q, w):
     return tf.reduce_sum(tf.exp(d * 1e-3), -1) + tf.reduce_sum(p, -1), tf.reduce_min(d)
 
 
+def _diagonal_set_back(d, w):
+    shifted = tf.linalg.set_diag(d, tf.linalg.diag_part(d) + w[0])
+    return tf.reduce_sum(shifted, -1), tf.matmul(w, w)
+
+
 def _captured(fn, n=N, dtype=tf.float64):
     spec = tf.TensorSpec([n, n], dtype)
     concrete = tf.function(fn).get_concrete_function(spec, spec, spec)
@@ -128,6 +133,9 @@ def test_folding_first_computes_what_the_program_computes(program, dtype, n, see
     # A product reads it: not a cheap fold.
     (lambda a, q, w: (tf.reduce_sum(tf.matmul(tf.matmul(a, q), w)), tf.matmul(w, a)), "MatMul_2",
      "is read by MatMul_1 (MatMul)"),
+    # Its diagonal is read off, summed with a term from elsewhere and set back on it (`K + c·I`
+    # as `AddDiagonal` writes it): a loop before that sum cannot read what the sum makes.
+    (lambda a, q, w: _diagonal_set_back(tf.matmul(a, q), w), "MatMul_1", "fold reads what its own results make"),
 ])
 def test_what_is_not_a_cheap_fold_is_left(program, at, why):
     graph, _ = _captured(program)
