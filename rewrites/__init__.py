@@ -21,6 +21,7 @@ from rewrites.splat_operands import ScalarForSplatOperand
 from rewrites.splats import CanonicalizeSplats
 from rewrites.segment_ids import UnflattenSegmentIds
 from rewrites.squared_distance import ExpandSquaredDistance
+from rewrites.sum_of_products import SumOfProductsAsContraction
 from rewrites.diag_of_elementwise import DiagOfElementwise
 from rewrites.diag_of_product import ContractDiagOfProduct
 from rewrites.einsum_diagonal import EinsumAsDiagonal
@@ -36,7 +37,8 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     "cleanup": (ForwardIdentities, DetachConstants, CanonicalizeSplats, ScalarForSplatOperand, UnflattenSegmentIds,
                 MergeDuplicates, GrapplerCleanup, DropOrderOnlyControlEdges),
     "match_and_replace": (EinsumAsMatMul, EinsumAsDiagonal, ExpandSquaredDistance, AddDiagonal,
-                          LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts),
+                          LeanCholeskyGradient, SolveInsteadOfInverse, ComposeTransposes, ComposeBandParts,
+                          SumOfProductsAsContraction),
     "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
     "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak,
