@@ -283,3 +283,36 @@ def test_a_loop_whose_initial_state_is_read_after_it_gets_a_buffer_of_its_own() 
 
     graph = graph_of(rewrite_rows_and_keep, tf.TensorSpec([1024, 1024], tf.float64))
     assert estimate_memory(graph).peak_bytes >= 3 * 1024 * 1024 * 8
+
+
+def test_a_loop_body_is_estimated_with_the_functions_it_calls_alone(monkeypatch) -> None:
+    """`function_graph` registers the functions a body calls (here a `tf.cond` in one loop),
+    not the whole library (the other loop's): the same estimate, without importing every
+    function of a program with many loops for each of them."""
+    from tfmem import memory
+    from tfmem.capture import capture
+
+    def fn(x):
+        def branchy(i, v):
+            return i + 1, tf.cond(tf.reduce_sum(v) > 0, lambda: v @ x, lambda: v - 1.0)
+
+        def plain(i, v):
+            return i + 1, tf.tanh(v @ x)
+
+        _, a = tf.while_loop(lambda i, v: i < 3, branchy, (0, x))
+        _, b = tf.while_loop(lambda i, v: i < 3, plain, (0, x))
+        return a + b
+
+    graph = capture(tf.function(fn).get_concrete_function(tf.TensorSpec([64, 64], tf.float64))).to_graph()
+    loops = [node for node in graph.nodes if node.op in ("While", "StatelessWhile")]
+    bodies = {graph.node(node.name).attr["body"].func.name for node in loops}
+    calls_cond = [name for name in bodies if any(n.op in ("If", "StatelessIf") for n in graph.function(name).node_def)]
+    [with_cond] = calls_cond
+    closure = {f.signature.name for f in memory._library_closure(graph.library, graph.function(with_cond)).function}
+    branches = {f.signature.name for f in graph.library.function} - bodies - {
+        graph.node(node.name).attr["cond"].func.name for node in loops}
+    assert closure == branches and len(branches) == 2  # the cond's two branches, nothing of the other loop
+    closed = estimate_memory(graph)
+    monkeypatch.setattr(memory, "_library_closure", lambda library, fdef: library)
+    whole = estimate_memory(graph)
+    assert (closed.peak_bytes, closed.peak_node) == (whole.peak_bytes, whole.peak_node)
