@@ -19,9 +19,9 @@ from tests.unseen_programs import PROGRAMS
 
 # The programs this suite runs: each takes under 7 s here. The others (TFP's
 # MultivariateNormalTriL, the LinearOperators, eigh, lstsq, the float32 adjoint solve, the
-# odd diagonals, the upper-triangular solves) equal stock XLA too, but take 8–40 s each under
-# so tight a budget, mostly in the splitter's search (6.8 s a pipeline for `tfp_mvn_tril`):
-# run them with `TFMEM_ALL_UNSEEN=1`.
+# odd diagonals, the upper-triangular solves) equal stock XLA too, but take 8–30 s each under
+# so tight a budget, mostly in the splitter's search (64 loops tried for `tfp_mvn_tril`) and
+# XLA's compiles: run them with `TFMEM_ALL_UNSEEN=1`.
 SUITE = ("batched_chol_logdet", "chol_sample_grad", "gp_nll_chol_solve", "hutchinson", "inverse_trace_grad",
          "jacobi_f32", "k_reused", "laplace_newton", "pcg_grad", "power_iter_grad", "qr_kernel")
 CHOSEN = sorted(PROGRAMS) if os.environ.get("TFMEM_ALL_UNSEEN") else SUITE
