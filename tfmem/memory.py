@@ -24,7 +24,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2
 
 from tfmem.config import format_size
 from tfmem.errors import first_line
-from tfmem.graph import Graph, TensorRef, function_tensor_node, keep_functions_alive
+from tfmem.graph import Graph, TensorRef, called_functions, function_tensor_node, keep_functions_alive
 
 logger = logging.getLogger(__name__)
 
@@ -496,21 +496,18 @@ def function_graph(graph: Graph, function_name: str,
 def _library_closure(library: function_pb2.FunctionDefLibrary,
                      fdef: function_pb2.FunctionDef) -> function_pb2.FunctionDefLibrary:
     """The functions of `library` that `fdef` calls, directly or through them (by op type
-    or by a function attr), and their registered gradients."""
+    or by a function attr), with their registered gradients and what those call."""
     by_name = {f.signature.name: f for f in library.function}
+    gradient_of = {g.function_name: g.gradient_func for g in library.gradient}
     wanted: dict[str, function_pb2.FunctionDef] = {}
     stack = [fdef]
     while stack:
         for node in stack.pop().node_def:
-            called = [node.op]
-            for value in node.attr.values():
-                if value.HasField("func"):
-                    called.append(value.func.name)
-                called.extend(f.name for f in value.list.func)
-            for name in called:
-                if name in by_name and name not in wanted:
-                    wanted[name] = by_name[name]
-                    stack.append(by_name[name])
+            for name in [node.op, *called_functions(node)]:
+                for called in (name, gradient_of.get(name)):
+                    if called in by_name and called not in wanted:
+                        wanted[called] = by_name[called]
+                        stack.append(by_name[called])
     closure = function_pb2.FunctionDefLibrary()
     closure.function.extend(wanted.values())
     closure.gradient.extend(g for g in library.gradient if g.function_name in wanted)
