@@ -348,8 +348,7 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         best.rewritten, records=records, seconds=rewritten.seconds))
     best = _plan_around_xla_peaks(traced, config, best, budget, args, kwargs, passes=passes, lint=lint,
                                   input_signature=input_signature, name=name, xla_checked=checked)
-    if other is not None and not budget.fits_plan(best.checked_plan, best.held) \
-            and other.xla_overshoot is not None and other.xla_overshoot < _OTHER_VARIANT_RANGE * best.xla_overshoot:
+    if other is not None:
         best = _better_around_xla_peaks(traced, config, best, other, budget, args, kwargs, passes=passes, lint=lint,
                                         input_signature=input_signature, name=name, xla_checked=not checked)
     best = _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
@@ -581,11 +580,14 @@ def _better_around_xla_peaks(traced: Traced, config: Config, best: Compiled, oth
     when `best` does not fit after its own rounds, and `other` overshot by less than
     `_OTHER_VARIANT_RANGE` times as much: each round is one more compile.
     """
+    assert best.checked_plan is not None and best.xla_overshoot is not None
+    if budget.fits_plan(best.checked_plan, best.held) or other.xla_overshoot is None \
+            or other.xla_overshoot >= _OTHER_VARIANT_RANGE * best.xla_overshoot:
+        return best
     start = time.perf_counter()
     around = _plan_around_xla_peaks(traced, config, other, budget, args, kwargs, passes=passes, lint=lint,
                                     input_signature=input_signature, name=name, xla_checked=xla_checked)
     seconds = best.check_seconds + time.perf_counter() - start
-    assert best.checked_plan is not None and best.xla_overshoot is not None
     if around.xla_overshoot is None or around.checked_plan is None or around.xla_overshoot >= best.xla_overshoot:
         note = RewriteRecord("compile_within_budget", XLA_CHECKED_RULE, "info", kind="plan", reason=(
             "the variant not kept, planned around XLA's peaks too, came out no better: XLA plans "
