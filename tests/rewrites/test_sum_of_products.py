@@ -38,7 +38,7 @@ def _rewritten(fn, *specs, min_bytes: int | None = 0):
 
 
 @settings(max_examples=25, deadline=None)
-@given(shape=st.sampled_from([(40, 33), (3, 7, 50), (2, 3, 4, 40), (60, 64)]),
+@given(shape=st.sampled_from([(33, 33), (3, 50, 50), (2, 3, 40, 40), (64, 64)]),  # square: b @ a and a @ b
        extra_axes=st.sets(st.integers(0, 2)), keepdims=st.booleans(), mean=st.booleans(),
        square=st.booleans(), dtype=st.sampled_from([tf.float32, tf.float64]), seed=st.integers(0, 2**16))
 def test_property_the_contraction_equals_the_reduction(shape, extra_axes, keepdims, mean, square, dtype, seed):
@@ -51,10 +51,7 @@ def test_property_the_contraction_equals_the_reduction(shape, extra_axes, keepdi
         product = tf.square(x) if square else x * y
         return reduce(product, axes, keepdims=keepdims)
 
-    n = shape[-1]
-    specs = [tf.TensorSpec((*shape[:-1], n), dtype), tf.TensorSpec((*shape[:-2], n, n) if rank > 2 else (n, n), dtype)]
-    if rank > 2 or shape[0] != n:  # b @ a needs a square a: make both square in their last two axes
-        specs = [tf.TensorSpec((*shape[:-2], n, n), dtype)] * 2
+    specs = [tf.TensorSpec(shape, dtype)] * 2
     result, concrete = _rewritten(fn, *specs)
     assert [r.status for r in result.records if r.rule == RULE] == ["fired"], result.records
     rng = np.random.default_rng(seed)
