@@ -666,6 +666,30 @@ def test_a_diagonal_written_over_stays_an_op_when_no_loop_comes_of_it(rng: np.ra
     assert not any("lowered" in node.name for node in planner.graph.nodes)
 
 
+def _loo_density_and_jittered_logdet(x, s):
+    """A leave-one-out density beside the log-determinant of x xᵀ with its diagonal written
+    over (diagonally dominant, so positive definite)."""
+    gram = tf.linalg.set_diag(x @ tf.transpose(x), tf.fill([x.shape[0]], tf.constant(1e4, x.dtype)))
+    return _loo_log_density(x, s) + tf.reduce_sum(tf.math.log(tf.linalg.diag_part(tf.linalg.cholesky(gram))))
+
+
+def test_a_diagonal_written_over_that_no_loop_takes_stays_an_op_beside_one_that_splits(
+        rng: np.random.Generator) -> None:
+    # The leave-one-out diagonal splits by rows; the Cholesky's jitter would stay a whole
+    # select beside its [n, n] mask, where set_diag writes in place: it is put back alone.
+    inputs = (tf.constant(rng.normal(size=(800, 3))), tf.constant(1.3, tf.float64))
+    program = _loo_density_and_jittered_logdet
+    wrapped = tfmem.function(program, config={"tensor_size_threshold": 800 * 800 * 8 // 4})
+    report = wrapped.report(*inputs)
+    assert report.splits, report.summary()
+    nodes = {node.name: node for node in report.rewritten_graph_def.node}
+    set_diags = [name for name, node in nodes.items() if node.op == "MatrixSetDiagV3"]
+    assert len(set_diags) == 1 and any(node.op == "Cholesky" and node.input[0].split(":")[0] == set_diags[0]
+                                       for node in nodes.values()), set_diags
+    want = tf.function(program, jit_compile=True)(*inputs)
+    np.testing.assert_allclose(wrapped(*inputs).numpy(), want.numpy(), rtol=1e-9)
+
+
 _ROW_READERS = {
     "logsumexp": lambda s: tf.reduce_logsumexp(s, axis=1),
     "max": lambda s: tf.reduce_max(s, axis=1),
