@@ -173,13 +173,13 @@ class Planner:
         graph = self.graph
         before = estimate_memory(graph).peak_bytes
         checkpoint = self._checkpoint()
-        seen, given_up = set(self.seen_regions), set(self.given_up)
+        search = (set(self.seen_regions), set(self.given_up))  # what the loop below adds to
         # A diagonal written over (set_diag(S, -inf) before a row's logsumexp), a matrix
         # made from one (S - diag(v)) or a band of a matrix (a causal mask) ends every region
         # as an op; as a select by an iota mask it splits by rows. Undone below when no loop
         # comes of it.
-        written = {TensorRef(name) for name in overwritten_diagonals(graph, threshold) - keep_written}
-        lowered = {**lower_diagonals(graph, threshold, {ref.node for ref in written}),
+        written = overwritten_diagonals(graph, threshold) - keep_written
+        lowered = {**lower_diagonals(graph, threshold, written),
                    **lower_matrix_diags(graph, threshold), **lower_band_parts(graph, threshold)}
         while len(self.loops) < _MAX_LOOPS:
             seed = _largest_computed(graph, threshold, self.given_up, skip_returned=self.assemble_returned)
@@ -204,15 +204,16 @@ class Planner:
         # select and its [n, n] mask where set_diag wrote in place: XLA plans more (GPflow
         # SGPR's jitter at M=3,600: 510.9 MiB against 491.7). Split again with those put
         # back, and keep that unless the estimate says it holds more.
-        whole = frozenset(ref.node for ref in written if ref in lowered and lowered[ref].node in graph)
+        whole = frozenset(name for name in written
+                          if (select := lowered.get(TensorRef(name))) is not None and select.node in graph)
         if whole and len(self.loops) > len(checkpoint[1]):
-            lowered_all, sets = self._checkpoint(), (self.seen_regions, self.given_up)
+            lowered_all, lowered_search = self._checkpoint(), (self.seen_regions, self.given_up)
             self._rollback(checkpoint)
-            self.seen_regions, self.given_up = seen, given_up
+            self.seen_regions, self.given_up = search
             self.split_all(threshold, split_size, slice_limit=slice_limit, keep_written=keep_written | whole)
             if estimate_memory(graph).peak_bytes > after:
                 self._rollback(lowered_all)
-                self.seen_regions, self.given_up = sets
+                self.seen_regions, self.given_up = lowered_search
                 return
             self.records.append(RewriteRecord(
                 self.pass_name, RULE, "info", tuple(sorted(whole)), "the diagonal stays written in place "

@@ -15,7 +15,7 @@ import tfmem
 from benchmarks.cases import sgpr_loss_and_gradients
 
 
-def test_gpflow_sgpr_gradients_fit_a_budget_of_about_four_whole_matrices() -> None:
+def test_gpflow_sgpr_gradients_fit_a_budget_of_five_and_a_half_whole_matrices() -> None:
     n, m = 6000, 1200
     budget = 60 * 2**20  # 5.5 [M, M] float64 matrices
     step = sgpr_loss_and_gradients(n, m)
