@@ -140,9 +140,12 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
         def banded(x: tf.Tensor, rows: int = rows, cols: int = cols, lower: int = lower,
                    upper: int = upper) -> tf.Tensor:
             below = tf.expand_dims(tf.range(rows), 1) - tf.expand_dims(tf.range(cols), 0)  # i - j
-            keep = tf.ones([rows, cols], tf.bool) if lower < 0 else below <= lower
-            if upper >= 0:
-                keep = tf.logical_and(keep, -below <= upper)
+            # Only the compares a limit asks for: a whole `ones` [rows, cols] beside them would
+            # be a constant of the matrix's size, sliced into the loop instead of made in it.
+            keeps = ([below <= lower] if lower >= 0 else []) + ([-below <= upper] if upper >= 0 else [])
+            if not keeps:
+                return tf.identity(x)  # band_part(x, -1, -1) keeps everything
+            keep = keeps[0] if len(keeps) == 1 else tf.logical_and(*keeps)
             return tf.where(keep, x, tf.zeros([], x.dtype))
 
         [new] = graph.splice(banded, [matrix], scope=f"{node.name}_lowered")

@@ -796,5 +796,10 @@ def test_bands_of_a_big_matrix_split_by_rows_and_equal_stock(lower: int, upper: 
     wrapped = tfmem.function(program, config={"tensor_size_threshold": 420 * 380 * 8 // 5, "strict": True})
     report = wrapped.report(x, y)
     assert report.splits and not any(node.op == "MatrixBandPart" for node in report.rewritten_graph_def.node)
+    # The band is made of the compares its limits ask for: no mask of the matrix's size is
+    # kept as a constant (a limit of -1 once made a `ones` [420, 380] beside them).
+    sizes = [np.prod([d.size for d in node.attr["value"].tensor.tensor_shape.dim])
+             for node in report.rewritten_graph_def.node if node.op == "Const"]
+    assert max(sizes) < 420 * 380, max(sizes)
     for got, want in zip(wrapped(x, y), program(x, y)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10, atol=1e-13)
