@@ -11,9 +11,12 @@ unchanged program, the corpus's "tight" budget), and reports per program:
 - the steady-state step of each (median of warm calls) and its ratio;
 - with `--plan_cache`: the same trial in a second process that finds the first one's
   plan in `Config.plan_cache` (no rewrite, no XLA check), with XLA's own persistent
-  cache (`TF_XLA_FLAGS=--tf_xla_persistent_cache_directory`) in both processes, so
-  that the second compiles nothing either; its tfmem first call is compared with the
-  first process's stock first call (the second's stock is cached too).
+  cache (`TF_XLA_FLAGS=--tf_xla_persistent_cache_directory`) in both processes; its
+  tfmem first call is compared with the first process's stock first call (the second's
+  stock is cached too). tfmem's program does compile again there: XLA's cache knows it
+  by its function's name, which carries TensorFlow's process-wide trace counter, and the
+  process that rewrote traced more than the one that loads the plan (a third process
+  would find the second's).
 
 Each process warms TensorFlow and XLA up first (one small jit-compiled call), so neither
 side pays the process's one-off start-up. Ratios are taken within one process.
