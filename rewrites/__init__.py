@@ -7,6 +7,7 @@ its class to `PASSES_BY_STAGE`.
 from __future__ import annotations
 
 from rewrites.add_diagonal import AddDiagonal
+from rewrites.bands_as_selects import BandsAsSelects
 from rewrites.cholesky_gradient import LeanCholeskyGradient
 from rewrites.cleanup import ForwardIdentities
 from rewrites.compose_band_parts import ComposeBandParts
@@ -41,8 +42,9 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
                           SumOfProductsAsContraction),
     "reorder": (DiagOfElementwise, ContractDiagOfProduct, ScaleByDiagonal, ReorderMatMulChain),
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
+    # BandsAsSelects last: the bands left are read whole; their masks are XLA's concern only.
     "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak,
-              SolveInPlace),
+              SolveInPlace, BandsAsSelects),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

@@ -139,14 +139,7 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
 
         def banded(x: tf.Tensor, rows: int = rows, cols: int = cols, lower: int = lower,
                    upper: int = upper) -> tf.Tensor:
-            below = tf.expand_dims(tf.range(rows), 1) - tf.expand_dims(tf.range(cols), 0)  # i - j
-            # Only the compares a limit asks for: a whole `ones` [rows, cols] beside them would
-            # be a constant of the matrix's size, sliced into the loop instead of made in it.
-            keeps = ([below <= lower] if lower >= 0 else []) + ([-below <= upper] if upper >= 0 else [])
-            if not keeps:
-                return tf.identity(x)  # band_part(x, -1, -1) keeps everything
-            keep = keeps[0] if len(keeps) == 1 else tf.logical_and(*keeps)
-            return tf.where(keep, x, tf.zeros([], x.dtype))
+            return band_as_select(x, rows, cols, lower, upper)
 
         [new] = graph.splice(banded, [matrix], scope=f"{node.name}_lowered")
         graph.replace_all_uses(TensorRef(node.name), new)
@@ -154,6 +147,27 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
     if lowered:
         graph.prune()
     return lowered
+
+
+def band_as_select(x: tf.Tensor, rows: int, cols: int, lower: int, upper: int) -> tf.Tensor:
+    """`band_part(x, lower, upper)` as `where(B, x, 0)`, B the band as compares of the row and
+    column iotas (`[rows, 1]` against `[1, cols]`): made of only the compares its limits ask
+    for, so XLA fuses them into the select's reader and never stores B.
+
+    Example:
+        >>> band_as_select(tf.ones([3, 3]), 3, 3, -1, 0).numpy()   # band_part(x, -1, 0)
+        array([[1., 0., 0.],
+               [1., 1., 0.],
+               [1., 1., 1.]], dtype=float32)
+    """
+    below = tf.expand_dims(tf.range(rows), 1) - tf.expand_dims(tf.range(cols), 0)  # i - j
+    # A whole `ones` [rows, cols] beside the compares (for a limit of -1) would be a constant
+    # of the matrix's size, sliced into a loop instead of made in it.
+    keeps = ([below <= lower] if lower >= 0 else []) + ([-below <= upper] if upper >= 0 else [])
+    if not keeps:
+        return tf.identity(x)  # band_part(x, -1, -1) keeps everything
+    keep = keeps[0] if len(keeps) == 1 else tf.logical_and(*keeps)
+    return tf.where(keep, x, tf.zeros([], x.dtype))
 
 
 def diagonal_mask(n: int) -> tf.Tensor:
