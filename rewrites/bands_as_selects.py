@@ -29,7 +29,8 @@ Example:
 """
 from __future__ import annotations
 
-import tensorflow as tf
+import functools
+
 
 from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
@@ -67,11 +68,8 @@ class BandsAsSelects(GraphPass):
                 records.append(RewriteRecord(self.name, RULE, "rejected", (node.name,),
                                              f"limits not constants, or shape {shape} not static"))
                 continue
-            rows, cols = int(shape[-2]), int(shape[-1])
-
-            def select(x: tf.Tensor, lower: int = int(lower), upper: int = int(upper)) -> tf.Tensor:
-                return band_as_select(x, rows, cols, lower, upper)
-
+            select = functools.partial(band_as_select, rows=int(shape[-2]), cols=int(shape[-1]),
+                                       lower=int(lower), upper=int(upper))
             [new] = graph.splice(select, [matrix], scope=f"{node.name}_as_select")
             graph.replace_all_uses(TensorRef(node.name), new)
             records.append(RewriteRecord(self.name, RULE, "fired", (node.name,),

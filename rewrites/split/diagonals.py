@@ -20,6 +20,8 @@ Example:
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
@@ -136,11 +138,7 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
         if lower is None or upper is None or not shape.is_fully_defined() or shape.rank < 2:
             continue
         rows, cols, lower, upper = int(shape[-2]), int(shape[-1]), int(lower), int(upper)
-
-        def banded(x: tf.Tensor, rows: int = rows, cols: int = cols, lower: int = lower,
-                   upper: int = upper) -> tf.Tensor:
-            return band_as_select(x, rows, cols, lower, upper)
-
+        banded = functools.partial(band_as_select, rows=rows, cols=cols, lower=lower, upper=upper)
         [new] = graph.splice(banded, [matrix], scope=f"{node.name}_lowered")
         graph.replace_all_uses(TensorRef(node.name), new)
         lowered[TensorRef(node.name)] = new
