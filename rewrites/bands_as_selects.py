@@ -29,14 +29,11 @@ Example:
 """
 from __future__ import annotations
 
-import functools
-
-
 from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
-from rewrites.split.diagonals import band_as_select
+from rewrites.split.diagonals import band_part_as_select
 
 RULE = "BandAsSelect"
 # Band parts of smaller matrices stay: their mask, stored or not, is under 128 KiB.
@@ -61,17 +58,11 @@ class BandsAsSelects(GraphPass):
                 "not compiled by XLA: TensorFlow's kernel stores no mask, a select would")])
         records = []
         for node in bands:
-            matrix, lower_ref, upper_ref = graph.inputs(node.name)
-            shape = graph.spec(matrix).shape
-            lower, upper = graph.constant_value(lower_ref), graph.constant_value(upper_ref)
-            if lower is None or upper is None or not shape.is_fully_defined() or shape.rank < 2:
+            matrix = graph.inputs(node.name)[0]
+            if band_part_as_select(graph, node.name, scope=f"{node.name}_as_select") is None:
                 records.append(RewriteRecord(self.name, RULE, "rejected", (node.name,),
-                                             f"limits not constants, or shape {shape} not static"))
+                                             f"limits not constants, or shape {graph.spec(matrix).shape} not static"))
                 continue
-            select = functools.partial(band_as_select, rows=int(shape[-2]), cols=int(shape[-1]),
-                                       lower=int(lower), upper=int(upper))
-            [new] = graph.splice(select, [matrix], scope=f"{node.name}_as_select")
-            graph.replace_all_uses(TensorRef(node.name), new)
             records.append(RewriteRecord(self.name, RULE, "fired", (node.name,),
                                          details={"matrix_bytes": graph.nbytes(matrix) or 0}))
         graph.prune()

@@ -132,19 +132,28 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
             continue
         if any(graph.node(reader).op not in _ROW_LOCAL_READERS for reader, _ in graph.consumers(node.name)):
             continue  # a solve or a factorization reads the band whole: nothing to split it for
-        matrix, lower_ref, upper_ref = graph.inputs(node.name)
-        shape = graph.spec(matrix).shape
-        lower, upper = graph.constant_value(lower_ref), graph.constant_value(upper_ref)
-        if lower is None or upper is None or not shape.is_fully_defined() or shape.rank < 2:
-            continue
-        rows, cols, lower, upper = int(shape[-2]), int(shape[-1]), int(lower), int(upper)
-        banded = functools.partial(band_as_select, rows=rows, cols=cols, lower=lower, upper=upper)
-        [new] = graph.splice(banded, [matrix], scope=f"{node.name}_lowered")
-        graph.replace_all_uses(TensorRef(node.name), new)
-        lowered[TensorRef(node.name)] = new
+        new = band_part_as_select(graph, node.name, scope=f"{node.name}_lowered")
+        if new is not None:
+            lowered[TensorRef(node.name)] = new
     if lowered:
         graph.prune()
     return lowered
+
+
+def band_part_as_select(graph: Graph, band: str, *, scope: str) -> TensorRef | None:
+    """Replaces the `MatrixBandPart` node `band` by `band_as_select` of its matrix (its readers
+    read the select; the caller prunes); returns the select, or None when the band's limits
+    are not constants or its shape is not static (the band is left as it is)."""
+    matrix, lower_ref, upper_ref = graph.inputs(band)
+    shape = graph.spec(matrix).shape
+    lower, upper = graph.constant_value(lower_ref), graph.constant_value(upper_ref)
+    if lower is None or upper is None or not shape.is_fully_defined() or shape.rank < 2:
+        return None
+    select = functools.partial(band_as_select, rows=int(shape[-2]), cols=int(shape[-1]),
+                               lower=int(lower), upper=int(upper))
+    [new] = graph.splice(select, [matrix], scope=scope)
+    graph.replace_all_uses(TensorRef(band), new)
+    return new
 
 
 def band_as_select(x: tf.Tensor, rows: int, cols: int, lower: int, upper: int) -> tf.Tensor:
