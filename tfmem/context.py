@@ -37,8 +37,10 @@ class PassContext:
             that did not fit (`XlaPlan.peak`), oldest first: passes may make again what XLA
             holds across one (`rewrites.split.recompute`), or take smaller chunks in a loop
             XLA peaks in (`Planner.shrink_at_xla_peaks`). Empty on a first plan.
-        newest_peak_rules: the passes that may act on the newest of `xla_peaks` (None: all);
-            `compile_within_budget` tries them one at a time when together they did not help.
+        peak_rules: the passes that may act on each of `xla_peaks`, by position (missing
+            or None: all): `compile_within_budget` tries them one at a time on the newest
+            peak when together they did not help, and keeps, for each older peak, only the
+            passes its plan was kept with.
 
     `budget` and `target_bytes` derive from the config key `memory_budget` (and the
     device): a pass that reads them declares `memory_budget` in its `GraphPass.reads`.
@@ -48,7 +50,11 @@ class PassContext:
     budget: Budget | None = None
     target_bytes: int | None = None
     xla_peaks: tuple[MemoryEstimate, ...] = ()
-    newest_peak_rules: frozenset[str] | None = None
+    peak_rules: tuple[frozenset[str] | None, ...] = ()
+
+    def rules_at_peak(self, position: int) -> frozenset[str] | None:
+        """The passes that may act on `xla_peaks[position]` (None: all)."""
+        return self.peak_rules[position] if position < len(self.peak_rules) else None
 
     @classmethod
     def for_budget(cls, config: Config, budget: Budget | None) -> PassContext:

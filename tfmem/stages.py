@@ -76,7 +76,7 @@ class Traced:
     def rewrite(self, config: Config | None = None, *, passes: Sequence[GraphPass] | None = None,
                 lint: bool = False, device: str | None = None, budget: Budget | None = None,
                 target_bytes: int | None = None, xla_peaks: Sequence[MemoryEstimate] = (),
-                xla_checked: bool = True, newest_peak_rules: frozenset[str] | None = None) -> Rewritten:
+                xla_checked: bool = True, peak_rules: Sequence[frozenset[str] | None] = ()) -> Rewritten:
         """Runs the pass pipeline under `config` (default: `Config()`) for `device`.
 
         Args:
@@ -91,8 +91,8 @@ class Traced:
                 oldest first (`PassContext.xla_peaks`).
             xla_checked: run the passes XLA decides on (`GraphPass.xla_checked`) too;
                 `compile_within_budget` holds them back until a plan does not fit.
-            newest_peak_rules: the passes that may act on the newest of `xla_peaks`
-                (`PassContext.newest_peak_rules`); None = all.
+            peak_rules: the passes that may act on each of `xla_peaks`, by position
+                (`PassContext.peak_rules`); missing or None = all.
 
         Raises:
             PassError: naming the pass that failed.
@@ -106,8 +106,8 @@ class Traced:
             context = context.tightened(target_bytes)
         if xla_peaks:
             context = context.seeing(*xla_peaks)
-        if newest_peak_rules is not None:
-            context = dataclasses.replace(context, newest_peak_rules=newest_peak_rules)
+        if peak_rules:
+            context = dataclasses.replace(context, peak_rules=tuple(peak_rules))
         # The registered pipeline is made anew from the config; given passes are the same objects.
         # Plans with and without the passes XLA decides on share a cached prefix only as far as
         # their passes agree: `PassManager.prefix_key` names the passes each prefix ran.
@@ -400,6 +400,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
     factor L for the gradient after it; with L made again there it plans 445.7 MiB.
     """
     peaks: tuple[MemoryEstimate, ...] = ()
+    kept_rules: tuple[frozenset[str] | None, ...] = ()  # for each older peak, the rules its plan was kept with
     acted_before = 0
     for _ in range(_XLA_PEAK_ROUNDS):
         plan = compiled.checked_plan
@@ -411,7 +412,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         def rewrite(rules: frozenset[str] | None) -> Rewritten:
             return traced.rewrite(config, passes=passes, lint=lint, budget=budget,
                                   target_bytes=compiled.rewritten.context.target_bytes, xla_peaks=peaks,
-                                  xla_checked=xla_checked, newest_peak_rules=rules)
+                                  xla_checked=xla_checked, peak_rules=(*kept_rules, rules))
 
         def acted_in(rewritten: Rewritten) -> list[RewriteRecord]:
             return [r for r in rewritten.records if r.rule in XLA_PEAK_RULES and r.status == "fired"]
@@ -421,17 +422,19 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
         if len(acted) <= acted_before:  # nothing new: say why not, from what each rule found
             why = tuple(r for r in again.records if r.rule in XLA_PEAK_RULES and r.status != "fired")
             return _noted(compiled, why, check_seconds=compiled.check_seconds + time.perf_counter() - start)
-        tried = [_xla_peak_round(again, acted, budget, args, kwargs, input_signature=input_signature, name=name)]
+        tried = [_xla_peak_round(again, acted, None, budget, args, kwargs, input_signature=input_signature,
+                                 name=name)]
         # Rules that each lower XLA's peak can raise it together (a tensor made again after the
         # peak that another rule made XLA compute before it): when the round does not fit
-        # better, each rule that acted is tried alone on the newest peak.
+        # better, each rule that acted is tried alone on the newest peak. The rule kept acts
+        # alone on that peak in later rounds too.
         rules = list(dict.fromkeys(r.pass_name for r in acted))
         if not tried[0].better_than(compiled) and len(rules) > 1:
             for rule in rules:
                 alone = rewrite(frozenset({rule}))
                 acted_alone = acted_in(alone)
                 if len(acted_alone) > acted_before:
-                    tried.append(_xla_peak_round(alone, acted_alone, budget, args, kwargs,
+                    tried.append(_xla_peak_round(alone, acted_alone, frozenset({rule}), budget, args, kwargs,
                                                  input_signature=input_signature, name=name))
         best = min(tried, key=lambda t: t.overshoot if t.overshoot is not None else float("inf"))
         check_seconds = compiled.check_seconds + time.perf_counter() - start
@@ -445,6 +448,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
                   "without")) for t in tried)
             return _noted(compiled, notes, check_seconds=check_seconds)
         acted_before = len(best.acted)
+        kept_rules = (*kept_rules, best.rules)
         notes = tuple(r for r in compiled.rewritten.records if r.pass_name == "compile_within_budget")
         kept = RewriteRecord("compile_within_budget", XLA_PEAK_RULE, "info", kind="plan", reason=(
             f"kept: with {best.changes}, XLA plans {format_size(best.planned.total_bytes)} "
@@ -464,6 +468,7 @@ class _XlaPeakRound:
 
     rewritten: Rewritten
     acted: list[RewriteRecord]
+    rules: frozenset[str] | None  # the rules that acted on the newest peak (None: all)
     candidate: Compiled
     planned: XlaPlan | None
     overshoot: float | None
@@ -476,14 +481,15 @@ class _XlaPeakRound:
                 and self.overshoot < compiled.xla_overshoot)
 
 
-def _xla_peak_round(rewritten: Rewritten, acted: list[RewriteRecord], budget: Budget, args: Sequence[Any],
-                    kwargs: Mapping[str, Any], *, input_signature: Any, name: str) -> _XlaPeakRound:
+def _xla_peak_round(rewritten: Rewritten, acted: list[RewriteRecord], rules: frozenset[str] | None, budget: Budget,
+                    args: Sequence[Any], kwargs: Mapping[str, Any], *, input_signature: Any,
+                    name: str) -> _XlaPeakRound:
     candidate = rewritten.compile(input_signature=input_signature, name=name)
     planned = candidate.xla_plan(*args, **kwargs)
     held = allocator_held()
     overshoot = budget.plan_overshoot(planned, held) if planned is not None else None
     changes = "; ".join(dict.fromkeys(_xla_peak_change(r) for r in acted))
-    return _XlaPeakRound(rewritten, acted, candidate, planned, overshoot, held, changes)
+    return _XlaPeakRound(rewritten, acted, rules, candidate, planned, overshoot, held, changes)
 
 
 def _xla_peak_change(record: RewriteRecord) -> str:

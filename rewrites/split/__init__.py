@@ -88,9 +88,8 @@ class _ActOnXlaPeaks(GraphPass):
     act: Callable[[Graph, MemoryEstimate, str], list[RewriteRecord]]
 
     def run(self, graph: Graph, context: PassContext) -> PassResult:
-        peaks = list(context.xla_peaks)
-        if context.newest_peak_rules is not None and self.name not in context.newest_peak_rules:
-            peaks = peaks[:-1]  # another rule is tried alone on the newest peak
+        peaks = [peak for position, peak in enumerate(context.xla_peaks)
+                 if (rules := context.rules_at_peak(position)) is None or self.name in rules]
         records = [record for peak in peaks for record in type(self).act(graph, peak, self.name)]
         return PassResult(graph, any(r.status == "fired" for r in records), records)
 

@@ -346,3 +346,32 @@ def test_a_copy_xla_plans_more_for_is_not_kept_and_the_gradient_equals_stock(rng
     got = wrapped(z, g)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-9)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-8, atol=1e-9 * float(tf.reduce_max(tf.abs(want[1]))))
+
+
+def test_each_xla_peak_is_acted_on_only_by_the_rules_its_plan_was_kept_with():
+    # A round that keeps one rule alone on a peak (the others raised XLA's plan with it)
+    # must not see the others act on that peak again in the next round.
+    from rewrites.split import _ActOnXlaPeaks
+    from tfmem.context import PassContext
+    from tfmem.memory import MemoryEstimate
+
+    seen: list[str] = []
+
+    class Recorder(_ActOnXlaPeaks):
+        name = "recorder"
+
+        @staticmethod
+        def act(graph, peak, pass_name):
+            seen.append(peak.peak_node)
+            return []
+
+    older, newer = MemoryEstimate(1, "older", ()), MemoryEstimate(2, "newer", ())
+    graph = capture(tf.function(lambda x: x + 1.0).get_concrete_function(tf.ones([2]))).to_graph()
+    for rules, acted_on in [((), ["older", "newer"]),
+                            ((frozenset({"other"}),), ["newer"]),
+                            ((None, frozenset({"other"})), ["older"]),
+                            ((frozenset({"recorder"}), frozenset({"other", "recorder"})), ["older", "newer"])]:
+        seen.clear()
+        context = PassContext(tfmem.Config(), xla_peaks=(older, newer), peak_rules=rules)
+        Recorder().run(graph, context)
+        assert seen == acted_on, (rules, seen)
