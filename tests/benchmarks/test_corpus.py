@@ -152,5 +152,7 @@ def _assert_equal(trials: Trials, name: str, key: str) -> dict[str, Any]:
     reason = failure_reason(record, compared=True, blank=False)
     assert reason is None, (f"{name} at {program.small} (budget {format_size(record['budget_bytes'])}): {reason}; "
                             f"max rel err {record.get('max_rel_err')} (rtol {program.rtol}) at "
-                            f"{record.get('detail')}, index mismatch {record.get('index_mismatch')}")
+                            f"{record.get('detail')}, index mismatch {record.get('index_mismatch')}, tolerance "
+                            f"{record.get('tolerance')} (stock's spread {record.get('stock_spread')}"
+                            f"{', not measured: ' + str(record.get('stock_spread_error')) if record.get('stock_spread_error') else ''})")
     return record
