@@ -253,8 +253,7 @@ def _equality(program: Program, mode: str) -> dict[str, Any]:
         compared = compare(got, want, program)
         if not compared["equal"] and compared["max_rel_err"] <= program.rtol * SPREAD_LIMIT:
             compared = compare(got, want, program, spread=record.get("stock_spread"))
-        record[key].update(compared, stock_spread=record.get("stock_spread"),
-                           stock_spread_error=record.get("stock_spread_error"))
+        record[key].update(compared)
     return record
 
 

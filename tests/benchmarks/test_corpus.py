@@ -153,6 +153,6 @@ def _assert_equal(trials: Trials, name: str, key: str) -> dict[str, Any]:
     assert reason is None, (f"{name} at {program.small} (budget {format_size(record['budget_bytes'])}): {reason}; "
                             f"max rel err {record.get('max_rel_err')} (rtol {program.rtol}) at "
                             f"{record.get('detail')}, index mismatch {record.get('index_mismatch')}, tolerance "
-                            f"{record.get('tolerance')} (stock's spread {record.get('stock_spread')}"
-                            f"{', not measured: ' + str(record.get('stock_spread_error')) if record.get('stock_spread_error') else ''})")
+                            f"{record.get('tolerance')} (stock's spread {equality.get('stock_spread')}"
+                            f"{', not measured: ' + str(equality.get('stock_spread_error')) if equality.get('stock_spread_error') else ''})")
     return record
