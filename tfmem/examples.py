@@ -38,12 +38,3 @@ def allocate(megabytes: int) -> float:
     """Fills a float32 tensor of `megabytes` MiB and sums it: a known-size allocation."""
     ones = tf.ones([megabytes * 2**20 // 4], tf.float32)
     return float(tf.reduce_sum(tf.exp(ones * 0.0)))
-
-
-def folded_constants_in_hlo(n: int) -> int:
-    """How many float32 [n, n] constants TensorFlow hands XLA for `v @ (3·I)`, I = eye(n):
-    1 when TensorFlow folded `3·I` on the host before XLA compiled it, 0 when XLA makes it
-    (`run_isolated` leaves folding to XLA under a memory limit)."""
-    function = tf.function(lambda v: v @ (3.0 * tf.eye(n)), jit_compile=True)
-    hlo = function.experimental_get_compiler_ir(tf.ones([1, n]))(stage="hlo")
-    return sum(f"f32[{n},{n}]" in line and " constant(" in line for line in hlo.splitlines())

@@ -37,31 +37,6 @@ Status = Literal["ok", "oom", "error", "timeout"]
 REFERENCE_STARTUP_SECONDS = 3.0
 # A start-up this many times slower than that means a stuck child, not a busy machine.
 STARTUP_SLOWDOWN_LIMIT = 20
-# Before XLA compiles a function, TensorFlow folds the constants of its graph (tf2xla's
-# graph optimizer), evaluating them with the host's allocator. On the CPU that is the
-# limited BFC allocator, and each folded tensor that does not fit waits 10 s in
-# TensorFlow's `AllocatorRetry` before the folder gives up on it: `0.5 * (3 * I - Z @ Y)`
-# with I = eye(1500) float32 under 24 MiB compiled for more than 120 s in stock XLA, and
-# tfmem's report (which compiles more than once) took 453 s, against 0.4 s and 2.5 s with
-# folding left to XLA, which folds what it needs itself. On a GPU the host's allocator
-# is not the limited one, and folding costs the device nothing; a limited CPU trial
-# leaves it to XLA too, so that it measures the device's memory, not the host's.
-NO_HOST_CONSTANT_FOLDING = "--tf_xla_disable_constant_folding=true"
-
-
-def with_flag(flags: str, flag: str) -> str:
-    """`flags` (a `TF_XLA_FLAGS` value) with `flag` added, unless it sets that flag already.
-
-    Example:
-        >>> with_flag("--tf_xla_auto_jit=2", NO_HOST_CONSTANT_FOLDING)
-        '--tf_xla_auto_jit=2 --tf_xla_disable_constant_folding=true'
-        >>> with_flag("--tf_xla_disable_constant_folding=false", NO_HOST_CONSTANT_FOLDING)
-        '--tf_xla_disable_constant_folding=false'
-    """
-    name = flag.split("=", 1)[0]
-    if any(part.split("=", 1)[0] == name for part in flags.split()):
-        return flags  # the user's choice stands
-    return f"{flags} {flag}".strip()
 
 _OOM_MARKERS = ("ResourceExhaustedError", "RESOURCE_EXHAUSTED", "Out of memory", "OOM when allocating",
                 "MemoryError")
@@ -138,7 +113,6 @@ def run_isolated(target: str | Callable[..., Any], *args: Any, memory_limit_mb: 
     child_env.update({"TF_CPU_ALLOCATOR_USE_BFC": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     if memory_limit_mb is not None:
         child_env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(int(memory_limit_mb))
-        child_env["TF_XLA_FLAGS"] = with_flag(child_env.get("TF_XLA_FLAGS", ""), NO_HOST_CONSTANT_FOLDING)
     else:
         child_env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
     # The child must import what the parent imports (e.g. the repo's own packages).

@@ -51,18 +51,3 @@ def test_on_a_gpu_machine_a_trial_runs_on_a_memory_limited_logical_gpu() -> None
     assert _limit_gpu(stub, None) == "GPU:0" and len(calls) == 1  # no limit: the GPU as it is
     cpu_only = types.SimpleNamespace(config=types.SimpleNamespace(list_physical_devices=lambda kind: []))
     assert _limit_gpu(cpu_only, 512) == "CPU:0"
-
-
-def test_a_limited_trial_leaves_constant_folding_to_xla(monkeypatch: pytest.MonkeyPatch) -> None:
-    # TensorFlow folds `3·I` on the host before XLA compiles (one [1500, 1500] constant in
-    # the HLO it hands XLA); under a CPU limit each fold that does not fit would wait 10 s
-    # in the allocator's retry, so a limited trial leaves folding to XLA.
-    unlimited = run_isolated("tfmem.examples:folded_constants_in_hlo", 1500, memory_limit_mb=None)
-    limited = run_isolated("tfmem.examples:folded_constants_in_hlo", 1500, memory_limit_mb=64)
-    assert (unlimited.value, limited.value) == (1, 0), (unlimited, limited)
-    # A choice the user made in TF_XLA_FLAGS stands, and other flags are kept.
-    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_disable_constant_folding=false")
-    assert run_isolated("os:getenv", "TF_XLA_FLAGS", memory_limit_mb=64).value == "--tf_xla_disable_constant_folding=false"
-    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=0")
-    assert run_isolated("os:getenv", "TF_XLA_FLAGS", memory_limit_mb=64).value == (
-        "--tf_xla_auto_jit=0 --tf_xla_disable_constant_folding=true")
