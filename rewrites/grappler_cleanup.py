@@ -34,11 +34,11 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config
 from tfmem.context import PassContext
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.host_folding import LARGE_TENSOR_BYTES
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 from tfmem.pattern import Match, OpBuilder, Pattern, PatternNode, RewriteRule, RuleSet
 
 from rewrites.grappler_shapes import constant_like, infer_shapes, placeholder_like, placeholder_node
-from rewrites.splats import LARGE_TENSOR_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from tfmem.context import PassContext
 from tfmem.graph import ALWAYS_KEEP_OPS, ORDERED_OPS, Graph, TensorRef, is_stateful
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
-from rewrites.splats import LARGE_TENSOR_BYTES
+from tfmem.host_folding import LARGE_TENSOR_BYTES
 
 RULE = "MergeDuplicates"
 

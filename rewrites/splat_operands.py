@@ -30,7 +30,7 @@ from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
-from rewrites.splats import LARGE_TENSOR_BYTES
+from tfmem.host_folding import LARGE_TENSOR_BYTES
 
 # Elementwise ops that broadcast their operands (a scalar operand stands for a splat of it).
 BROADCASTING_OPS = frozenset("""Add AddV2 Sub Mul RealDiv Div DivNoNan MulNoNan Maximum Minimum Pow

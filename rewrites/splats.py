@@ -26,10 +26,9 @@ from tensorflow.core.framework import tensor_pb2
 
 from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
+from tfmem.host_folding import LARGE_TENSOR_BYTES
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
-# Above this, a computed constant is never built on the host: not by Grappler, not by us.
-LARGE_TENSOR_BYTES = 1 << 20
 
 _VALUE_FIELDS = ("float_val", "double_val", "int_val", "int64_val", "bool_val")
 
@@ -98,4 +97,4 @@ class CanonicalizeSplats(GraphPass):
         return PassResult(graph, bool(records), records)
 
 
-__all__ = ["LARGE_TENSOR_BYTES", "CanonicalizeSplats", "proto_splat_value", "splat_value"]
+__all__ = ["CanonicalizeSplats", "proto_splat_value", "splat_value"]

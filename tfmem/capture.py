@@ -25,6 +25,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.framework import function as function_lib
 
 from tfmem.graph import Graph, TensorRef, is_stateful, rename_functions
+from tfmem.host_folding import leave_large_constants_to_xla
 
 # Stateful ops that only read or check: recomputing them (e.g. in a backward pass) is harmless.
 # CheckNumerics and Assert only raise (GPflow's GPR predict_f holds a CheckNumerics): counted as
@@ -144,8 +145,11 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
         captured: the original function, taken apart.
         graph: the (rewritten) graph; it keeps the original's placeholder names, and its
             `outputs` are one per original flat output.
-        jit_compile: compile with XLA.
+        jit_compile: compile with XLA (then large constants are left to XLA to make:
+            `leave_large_constants_to_xla`).
     """
+    if jit_compile:
+        graph, _ = leave_large_constants_to_xla(graph)
     outputs = [o.name for o in graph.outputs]
     placeholders = {n.name for n in graph.find("Placeholder")}
     used = {p for p in placeholders if graph.node_consumers(p)} | {o.node for o in graph.outputs}

@@ -123,6 +123,59 @@ def cleanup_allocator_peak(n: int) -> dict[str, Any]:
     return {"peak_bytes": int(tf.config.experimental.get_memory_info("CPU:0")["peak"])}
 
 
+# A float32 [N, N] is 4.6 MiB and a bool one 1.2 MiB: over `LARGE_TENSOR_BYTES`, under the
+# 10 MiB up to which TensorFlow folds constants on the host before XLA compiles.
+CONSTANT_MAKERS_N = 1100
+# Programs that make a large tensor from constants alone, through each op
+# `tfmem.host_folding` shields, and combine it with their input x [N, N] float32.
+CONSTANT_MAKERS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
+    "diagonal_mask": lambda x: tf.where(tf.equal(tf.range(CONSTANT_MAKERS_N)[:, None],
+                                                 tf.range(CONSTANT_MAKERS_N)[None, :]), 0.0, x),
+    "band_compare": lambda x: tf.where(tf.range(CONSTANT_MAKERS_N)[:, None] - tf.range(CONSTANT_MAKERS_N)[None, :]
+                                       <= 3, x, -x),
+    "eye": lambda x: x + 3.0 * tf.eye(CONSTANT_MAKERS_N),
+    "fill": lambda x: x * tf.fill([CONSTANT_MAKERS_N, CONSTANT_MAKERS_N], 0.5),
+    "broadcast_to": lambda x: x - tf.broadcast_to(tf.linspace(0.0, 1.0, CONSTANT_MAKERS_N),
+                                                  [CONSTANT_MAKERS_N, CONSTANT_MAKERS_N]),
+    "tile": lambda x: x + tf.tile(tf.constant([[1.0, 2.0]]), [CONSTANT_MAKERS_N, CONSTANT_MAKERS_N // 2]),
+    "transposed_grid": lambda x: x + tf.transpose(tf.cast(
+        tf.range(CONSTANT_MAKERS_N)[:, None] % 7 + tf.range(CONSTANT_MAKERS_N)[None, :], tf.float32)),
+    "outer_product": lambda x: x + tf.matmul(tf.ones([CONSTANT_MAKERS_N, 1]) * 0.25,
+                                             tf.ones([1, CONSTANT_MAKERS_N])),
+    "batch_outer_product": lambda x: x + tf.linalg.matmul(tf.ones([1, CONSTANT_MAKERS_N, 1]),
+                                                          tf.ones([1, 1, CONSTANT_MAKERS_N]))[0],
+    "set_diag": lambda x: x + tf.linalg.set_diag(tf.ones([CONSTANT_MAKERS_N, CONSTANT_MAKERS_N]),
+                                                 tf.range(CONSTANT_MAKERS_N, dtype=tf.float32)),
+    "band_part": lambda x: x + tf.linalg.band_part(tf.ones([CONSTANT_MAKERS_N, CONSTANT_MAKERS_N]) * 1.5, 2, 0),
+}
+
+
+def compile_allocator_growth(names: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Compiles each of `CONSTANT_MAKERS[names]` for XLA, stock and through tfmem, without
+    running it; returns how far the CPU allocator's peak rose while each compiled.
+
+    Meant for `tfmem.run_isolated` (TensorFlow's BFC allocator, a fresh process): before XLA
+    compiles, TensorFlow folds constant subgraphs on the host, from that allocator;
+    tfmem's import leaves large ones to XLA (`tfmem.host_folding`).
+    """
+    import tfmem
+
+    def growth(function: Any, x: tf.Tensor) -> int:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        function.experimental_get_compiler_ir(x)(stage="hlo")
+        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+
+    # Also puts the CPU's allocator in place: the BFC one the peak is read from.
+    x = tf.zeros([CONSTANT_MAKERS_N, CONSTANT_MAKERS_N])
+    results = {}
+    for name in names:
+        program = CONSTANT_MAKERS[name]
+        ours = tfmem.function(program, config=tfmem.Config(memory_budget="1GiB")).compiled(x).function
+        results[name] = {"stock": growth(tf.function(program, jit_compile=True), x), "tfmem": growth(ours, x)}
+    return results
+
+
 def run_scenarios(scenarios: Mapping[str, Callable[[Any], dict[str, Any]]], argument: Any) -> dict[str, dict[str, Any]]:
     """Runs every scenario on `argument`; one that raises gives `{"error": <its traceback>}`.
 

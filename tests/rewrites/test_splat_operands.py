@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import tfmem
 from tfmem.testing import assert_close, with_gradient
 from rewrites.splat_operands import ScalarForSplatOperand
-from rewrites.splats import LARGE_TENSOR_BYTES, CanonicalizeSplats
+from rewrites.splats import CanonicalizeSplats
+from tfmem.host_folding import LARGE_TENSOR_BYTES
 
 N = 600  # an [N, N] float32 splat is over LARGE_TENSOR_BYTES
 

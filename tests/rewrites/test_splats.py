@@ -6,7 +6,8 @@ import pytest
 import tensorflow as tf
 
 import tfmem
-from rewrites.splats import LARGE_TENSOR_BYTES, CanonicalizeSplats, proto_splat_value, splat_value
+from rewrites.splats import CanonicalizeSplats, proto_splat_value, splat_value
+from tfmem.host_folding import LARGE_TENSOR_BYTES
 from tfmem.capture import capture
 from tfmem.config import Config
 from tfmem.context import PassContext
