@@ -134,6 +134,8 @@ CONSTANT_MAKERS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
     "band_compare": lambda x: tf.where(tf.range(CONSTANT_MAKERS_N)[:, None] - tf.range(CONSTANT_MAKERS_N)[None, :]
                                        <= 3, x, -x),
     "eye": lambda x: x + 3.0 * tf.eye(CONSTANT_MAKERS_N),
+    "eye_mask": lambda x: tf.where(tf.eye(CONSTANT_MAKERS_N) > 0.5, x, 0.0),
+    "matrix_diag": lambda x: x @ tf.linalg.diag(tf.linspace(1.0, 2.0, CONSTANT_MAKERS_N)),
     "fill": lambda x: x * tf.fill([CONSTANT_MAKERS_N, CONSTANT_MAKERS_N], 0.5),
     "broadcast_to": lambda x: x - tf.broadcast_to(tf.linspace(0.0, 1.0, CONSTANT_MAKERS_N),
                                                   [CONSTANT_MAKERS_N, CONSTANT_MAKERS_N]),
