@@ -25,6 +25,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, TensorRef, called_functions, function_tensor_node, keep_functions_alive
+from tfmem.host_folding import LARGE_TENSOR_BYTES, computable_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,12 @@ class _Estimator:
         The GraphDef's own order is arbitrary (rewrites append new nodes at the end); a
         greedy list schedule — among ready nodes, least new bytes minus bytes freed, ties
         in graph order — is close to how the program really runs.
+
+        A large tensor made from constants alone (a diagonal mask, an `eye`) frees nothing
+        when it runs, so run early it is only held longer (a [3000, 3000] mask held across
+        a conjugate-gradient loop it is not read in). It waits until one of its readers
+        has every other producer done, and runs just before that reader: where XLA makes
+        it too (fused into the reader, when XLA is given it unfolded: `tfmem.host_folding`).
         """
         graph = self.graph
         base = graph.topological_order()
@@ -302,10 +309,15 @@ class _Estimator:
         out_bytes = {n: 0 if graph.node(n).op in RESIDENT_OPS or graph.aliases_input(n) else
                      sum(self._bytes(TensorRef(n, i)) for i in range(len(graph.output_specs(n))))
                      for n in base}
+        deferred = {n for n in computable_nodes(graph) if out_bytes[n] > LARGE_TENSOR_BYTES}
         unscheduled = set(base)
 
-        def priority(n: str) -> int:  # new bytes minus bytes it frees as the last reader
-            return out_bytes[n] - sum(out_bytes[p] for p in graph.producers(n) if readers[p] == 1)
+        def reader_waits_only_for_deferred(reader: str) -> bool:
+            return all(p not in unscheduled or p in deferred for p in graph.producers(reader))
+
+        def priority(n: str) -> tuple[int, int]:  # new bytes minus bytes it frees as the last reader
+            waits = n in deferred and not any(reader_waits_only_for_deferred(c) for c in graph.node_consumers(n))
+            return int(waits), out_bytes[n] - sum(out_bytes[p] for p in graph.producers(n) if readers[p] == 1)
 
         def reprioritize(name: str) -> list[str]:
             unscheduled.discard(name)
@@ -314,6 +326,8 @@ class _Estimator:
                 readers[p] -= 1
                 if readers[p] == 1:  # its last reader now frees it
                     changed += [c for c in graph.node_consumers(p) if c in unscheduled]
+            for reader in graph.node_consumers(name):  # a deferred producer of it may be due now
+                changed += [p for p in graph.producers(reader) if p in deferred and p in unscheduled]
             return changed
 
         return graph.topological_order(priority, reprioritize=reprioritize)

@@ -648,7 +648,10 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
         f"({fired} rewrites) and {format_size(written_plan.total_bytes)} for the program as written, "
         "which runs instead"), details={"xla_rewritten_bytes": plan.total_bytes,
                                         "xla_as_written_bytes": written_plan.total_bytes})
-    rewritten = dataclasses.replace(as_written.rewritten, records=(dropped,),
+    # Why the rewrite could not do better (what each region it tried to split is blocked by)
+    # stays in the report: the program as written runs, but the user reads what keeps it whole.
+    blocked = tuple(r for r in compiled.rewritten.records if r.status == "rejected" and r.kind == "split")
+    rewritten = dataclasses.replace(as_written.rewritten, records=(dropped, *blocked),
                                     seconds=compiled.rewritten.seconds + as_written.rewritten.seconds)
     return dataclasses.replace(as_written, rewritten=rewritten, checked_plan=written_plan,
                                xla_overshoot=budget.plan_overshoot(written_plan, held),

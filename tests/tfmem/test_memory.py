@@ -48,6 +48,24 @@ def test_static_peak_matches_hand_count(fn, specs, peak: int, node_op: str, live
     assert estimate.unknown == ()
 
 
+def _mask_for_a_late_reader(x):  # x: [n, n] float32
+    n = x.shape[0]
+    a = tf.exp(x)
+    total = tf.reduce_sum(a @ a + a)  # x, a, a @ a and their sum live together: the peak
+    mask = tf.equal(tf.range(n)[:, None], tf.range(n)[None, :])  # [n, n] from constants alone
+    return tf.where(mask, tf.sin(x * total), 0.0)  # its reader waits for the product
+
+
+def test_a_large_tensor_made_from_constants_is_made_just_before_its_reader() -> None:
+    # Scheduled by new bytes alone, the mask (a quarter of a float32 matrix) would run
+    # first, the smallest allocation, and be held across the product; made when its reader
+    # is otherwise ready, the peak is the four float32 matrices around the product.
+    n = 1100  # the mask: 1.2 MiB, over what is left to XLA to make (`LARGE_TENSOR_BYTES`)
+    estimate = estimate_memory(graph_of(_mask_for_a_late_reader, tf.TensorSpec([n, n], tf.float32)))
+    assert all(t.dtype != "bool" for t in estimate.live_at_peak), estimate.in_words()
+    assert 4 * 4 * n * n <= estimate.peak_bytes < 4 * 4 * n * n + n * n
+
+
 def test_while_counts_its_body_peak() -> None:
     def fn(x):
         def body(i, acc):
