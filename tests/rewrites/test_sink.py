@@ -86,8 +86,9 @@ def test_conjugate_gradients_recompute_k_in_chunks_and_equal_stock(rng):
     np.testing.assert_allclose(wrapped(x, y), want, rtol=1e-9, atol=1e-12 * float(tf.reduce_max(tf.abs(want))))
 
 
-def jacobi_preconditioned_cg(steps: int, jitter: float):
-    """CG on (K + cI) α = y preconditioned by 1 / diag(K + cI), computed before the loop."""
+def jacobi_preconditioned_cg(steps: int, jitter: float, *, residual: bool = False):
+    """CG on (K + cI) α = y preconditioned by 1 / diag(K + cI), computed before the loop;
+    with `residual`, also ‖y − (K + cI) α‖, which reads K again after the loop."""
     def solve(x, y):
         a = _kernel(x) + jitter * tf.eye(x.shape[0], dtype=x.dtype)
         m_inv = 1.0 / tf.linalg.diag_part(a)[:, None]
@@ -102,7 +103,7 @@ def jacobi_preconditioned_cg(steps: int, jitter: float):
         _, sol, *_ = tf.while_loop(lambda i, *_: i < steps, body, (tf.constant(0), tf.zeros_like(y), y, m_inv * y,
                                                                     tf.reduce_sum(y * m_inv * y)),
                                    maximum_iterations=steps)
-        return sol
+        return (sol, tf.norm(y - a @ sol)) if residual else sol
     return solve
 
 
@@ -122,25 +123,6 @@ def test_a_jacobi_preconditioner_reads_the_diagonal_of_k_from_the_points_and_k_i
     np.testing.assert_allclose(wrapped(x, y), want, rtol=1e-9, atol=1e-12 * float(tf.reduce_max(tf.abs(want))))
 
 
-def preconditioned_cg_with_residual(steps: int, jitter: float):
-    """Jacobi-preconditioned CG, then the residual ‖y − (K + cI) α‖: K is read again after the loop."""
-    def solve(x, y):
-        a = _kernel(x) + jitter * tf.eye(x.shape[0], dtype=x.dtype)
-        m_inv = 1.0 / tf.linalg.diag_part(a)[:, None]
-
-        def body(i, sol, r, p, rz):
-            ap = a @ p
-            alpha = rz / tf.reduce_sum(p * ap)
-            sol, r = sol + alpha * p, r - alpha * ap
-            rz_new = tf.reduce_sum(r * m_inv * r)
-            return i + 1, sol, r, m_inv * r + (rz_new / rz) * p, rz_new
-
-        _, sol, *_ = tf.while_loop(lambda i, *_: i < steps, body, (tf.constant(0), tf.zeros_like(y), y, m_inv * y,
-                                                                    tf.reduce_sum(y * m_inv * y)))
-        return sol, tf.norm(y - a @ sol)
-    return solve
-
-
 def test_a_preconditioned_solve_read_again_after_its_loop_recomputes_k_in_both_places(rng):
     """Fuzz 12's cg_while: the jitter's diagonal mask is a large tensor made from constants
     alone. Made early, it was held across the loop, the program's peak rose when K was sunk
@@ -148,7 +130,7 @@ def test_a_preconditioned_solve_read_again_after_its_loop_recomputes_k_in_both_p
     recomputed in the loop and in chunks for the residual after it."""
     n = 1100  # the mask: 1.2 MiB, over `LARGE_TENSOR_BYTES`
     x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
-    fn = preconditioned_cg_with_residual(steps=8, jitter=0.5)
+    fn = jacobi_preconditioned_cg(steps=8, jitter=0.5, residual=True)
     wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=_budget(n)))
     report = wrapped.explain(x, y)
     assert len(_records(report, SINK)) == 1, str(report)
