@@ -241,7 +241,14 @@ def _parse_budget(value: Any, *, key: str) -> int | str | None:
     """A size, None (the device's), or `BUDGET_OFF` for "off" / false."""
     if value is False or isinstance(value, str) and value.strip().lower() in (BUDGET_OFF, "false"):
         return BUDGET_OFF
-    return parse_size(value, key=key)
+    size = parse_size(value, key=key)
+    if size is None and value not in (None, "") and not (isinstance(value, str) and value.strip().lower()
+                                                          in ("", "none", "null")):
+        # parse_size reads 0 as "no limit"; for a budget that would silently mean the
+        # device's, which is not what a zero says.
+        raise ValueError(f"{key}: a budget of {value!r} bytes cannot hold anything; set a size like "
+                         f"'512MiB', '{BUDGET_OFF}' for no budget, or leave it unset for the device's")
+    return size
 
 
 def _parse_float(value: Any, *, key: str) -> float:

@@ -159,6 +159,15 @@ def test_memory_budget_alone_is_a_complete_config() -> None:
     assert Config(memory_budget="1GB", tensor_split_size="64MB").tensor_split_size == 64 * 10**6
 
 
+@pytest.mark.parametrize("zero", [0, "0", "0MiB", 0.0])
+def test_a_zero_memory_budget_is_refused_not_read_as_the_devices(zero: object) -> None:
+    """A size of 0 means "no limit" for the thresholds; for the budget it would silently
+    have meant the device's budget. It is refused, naming the key and the two ways out."""
+    with pytest.raises(ValueError, match=r"memory_budget: a budget of .* cannot hold anything.*'off'.*unset"):
+        Config(memory_budget=zero)
+    assert Config(memory_budget=None).memory_budget is None and Config(memory_budget="none").memory_budget is None
+
+
 # --- one loader for every config file, one coercion for every `config=` -----------------
 
 BUNDLED = sorted(path.name for path in (REPO / "configs").glob("*.yaml"))
