@@ -281,6 +281,7 @@ class Graph:
         # Caches, dropped by `_changed`: whole-graph ones always, per-node ones for the nodes named.
         self._consumer_index: dict[str, list[tuple[str, int]]] | None = None
         self._topological: list[str] | None = None
+        self._derived: dict[Callable[[Graph], Any], Any] = {}
         self._parsed: dict[str, tuple[list[TensorRef], list[str], list[str]]] = {}
         self._specs: dict[str, list[tf.TensorSpec]] = {}
         self._name_counter = 0
@@ -298,6 +299,7 @@ class Graph:
         copy.versions.CopyFrom(self.versions)
         copy.outputs, copy.keep = list(self.outputs), set(self.keep)
         copy._consumer_index, copy._topological = self._consumer_index, self._topological
+        copy._derived = dict(self._derived)
         copy._parsed, copy._specs = dict(self._parsed), dict(self._specs)
         copy._name_counter = self._name_counter
         return copy
@@ -308,6 +310,7 @@ class Graph:
         self._nodes, self.library, self.versions = copy._nodes, copy.library, copy.versions
         self.outputs, self.keep = copy.outputs, copy.keep
         self._consumer_index, self._topological = copy._consumer_index, copy._topological
+        self._derived = copy._derived
         self._parsed, self._specs, self._name_counter = copy._parsed, copy._specs, copy._name_counter
 
     def __len__(self) -> int:
@@ -472,6 +475,22 @@ class Graph:
             self._topological = self._sort()
         return list(self._topological)
 
+    def derived(self, compute: Callable[[Graph], Any]) -> Any:
+        """`compute(self)`, computed once for this version of the graph: any edit drops it.
+
+        For whole-graph facts read on hot paths (the memory estimate runs after every
+        candidate edit, and reads the same facts each time). The result is shared:
+        `compute` should return something immutable (a frozenset, a tuple).
+
+        Example:
+            >>> graph = Graph(tf.function(lambda: tf.constant(1.0) + 1).get_concrete_function().graph.as_graph_def())
+            >>> graph.derived(len) is graph.derived(len), graph.derived(len)
+            (True, 4)
+        """
+        if compute not in self._derived:
+            self._derived[compute] = compute(self)
+        return self._derived[compute]
+
     def producers(self, name: str) -> list[str]:
         """Nodes `name` reads data from or waits on by control edge, each once, in input order."""
         return self._parse(name)[2]
@@ -573,6 +592,7 @@ class Graph:
         about the nodes `names` (edited, added or gone); with no names, about every node."""
         self._consumer_index = None
         self._topological = None
+        self._derived = {}
         if not names:
             self._parsed, self._specs = {}, {}
         for name in names:

@@ -63,10 +63,15 @@ def _data_operands(op: str, count: int) -> tuple[int, ...]:
     return tuple(range(count)) if op in _ELEMENTWISE else _DATA_OPERANDS.get(op, ())
 
 
-def computable_nodes(graph: Graph) -> set[str]:
+def computable_nodes(graph: Graph) -> frozenset[str]:
     """The nodes whose value depends on no input, variable or effect: what TensorFlow
     would fold (a `Const`; a shape query of a static shape; a stateless op whose data
-    inputs are all computable)."""
+    inputs are all computable). Computed once per version of `graph` (`Graph.derived`):
+    the memory estimate reads it at every schedule."""
+    return graph.derived(_computable_nodes)
+
+
+def _computable_nodes(graph: Graph) -> frozenset[str]:
     computable: set[str] = set()
     for name in graph.topological_order():
         node = graph.node(name)
@@ -79,7 +84,7 @@ def computable_nodes(graph: Graph) -> set[str]:
               and not graph.is_stateful(name) and all(r.node in computable for r in inputs)
               and all(spec.dtype != tf.variant for spec in graph.output_specs(name))):
             computable.add(name)
-    return computable
+    return frozenset(computable)
 
 
 def _large(graph: Graph, name: str) -> bool:
@@ -115,7 +120,7 @@ def leave_large_constants_to_xla(graph: Graph) -> tuple[Graph, list[str]]:
     barriers: dict[TensorRef, TensorRef] = {}
     for name, position, ref in targets:
         if ref not in barriers:
-            (barriers[ref],) = copy.splice(lambda t: _barrier(t), [ref], scope="tfmem_xla_constant")
+            (barriers[ref],) = copy.splice(_barrier, [ref], scope="tfmem_xla_constant")
         copy.set_input(name, position, barriers[ref])
     return copy, shielded
 

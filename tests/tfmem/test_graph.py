@@ -211,3 +211,26 @@ def test_a_colocation_with_a_node_no_longer_in_the_graph_is_dropped_on_export() 
     with tf.Graph().as_default():  # imports: the dropped node's tensor is fed, nothing names it
         tf.graph_util.import_graph_def(exported, input_map={f"{reshape}:0": tf.zeros([4])}, name="")
         assert names <= {op.name for op in tf.compat.v1.get_default_graph().get_operations()}
+
+
+def test_a_derived_fact_is_computed_once_per_version_and_dropped_by_an_edit() -> None:
+    """`Graph.derived` (e.g. `host_folding.computable_nodes`, read at every estimate) is
+    computed once while the graph is unchanged; an edit, a copy's edit or `assign` gives
+    the fact of the graph as it is then, never a stale one."""
+    graph, _ = traced(_two_outputs, SPEC)
+    calls: list[int] = []
+
+    def names(g: Graph) -> frozenset[str]:
+        calls.append(1)
+        return frozenset(n.name for n in g.nodes)
+
+    before = graph.derived(names)
+    assert graph.derived(names) is before and len(calls) == 1
+    copy = graph.copy()
+    assert copy.derived(names) is before and len(calls) == 1  # shared while neither is edited
+    (exp,) = [n.name for n in copy.find("Exp")]
+    added = copy.add_node(copy.node(exp))
+    assert added in copy.derived(names) and len(calls) == 2
+    assert graph.derived(names) is before and added not in graph.derived(names)
+    graph.assign(copy)
+    assert added in graph.derived(names)
