@@ -404,7 +404,7 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
     acted_before = 0
     for _ in range(_XLA_PEAK_ROUNDS):
         plan = compiled.checked_plan
-        if plan is None or plan.peak is None or budget.fits_plan(plan, compiled.held):
+        if plan is None or plan.peak is None or (compiled.xla_overshoot or 0) <= 1:
             return compiled
         peaks = (*peaks, plan.peak_with_others)
         start = time.perf_counter()

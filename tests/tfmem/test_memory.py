@@ -135,7 +135,8 @@ def test_xlas_peak_with_the_calls_other_allocations_counts_a_big_output_beside_t
     assert plan.output_bytes >= 4_000_000 and plan.peak is not None
     both = plan.peak_with_others
     assert both is not None and both.live_at_peak == plan.peak.live_at_peak
-    assert both.peak_bytes == plan.peak.peak_bytes + plan.total_bytes - plan.block_bytes
+    # The whole block is held at the peak (it is allocated in one piece), beside the others.
+    assert both.peak_bytes == plan.total_bytes >= plan.peak.peak_bytes + plan.total_bytes - plan.block_bytes
     assert both.peak_bytes >= plan.peak.peak_bytes + plan.output_bytes
 
 
