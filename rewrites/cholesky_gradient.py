@@ -116,20 +116,25 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
     def left_of(panel: tf.Tensor, start: tf.Tensor | int) -> tf.Tensor:
         return tf.where(columns < start, panel, tf.constant(0, panel.dtype))  # a scalar: no [b, n] constant
 
-    def with_columns(panel: tf.Tensor, start: tf.Tensor | int, value: tf.Tensor) -> tf.Tensor:
-        """`panel` [.., h, n] with columns [start, start+w) set to `value` [.., h, w]."""
+    def with_columns(panel: tf.Tensor | None, start: tf.Tensor | int, value: tf.Tensor) -> tf.Tensor:
+        """`panel` [.., h, n] (None: zeros) with columns [start, start+w) set to `value` [.., h, w]."""
         width = int(value.shape[-1])
         inside = (columns >= start) & (columns < start + width)
         # A gather, not a pad: XLA needs the paddings of a pad to be constants.
         spread = tf.gather(tf.concat([value, tf.zeros_like(value[..., :1])], -1),
                            tf.where(inside, columns - start, width), axis=-1)
-        return tf.where(inside, spread, panel)
+        return tf.where(inside, spread, tf.constant(0, value.dtype) if panel is None else panel)
 
     def reverse_step(a: tf.Tensor, start: tf.Tensor | int, size: int) -> tf.Tensor:
         """Murray's step for the diagonal block at [start, start+size); the rows below it
         are whole blocks (the remainder block is the first)."""
         d = panels.block(factor, start, start, size, size)
-        r = left_of(panels.rows(factor, start, size), start)  # R, zero-padded to n columns
+        # R, zero-padded to n columns; None for the first block (a Python 0), which has
+        # nothing left of it: `left_of` there is a select whose predicate is all false, and
+        # Grappler folds it into an [h, n] constant of zeros (6.3 MiB at n = 3,800), built
+        # on the host and handed to XLA as a literal.
+        first = isinstance(start, int) and start == 0
+        r = None if first else left_of(panels.rows(factor, start, size), start)
 
         def below(i: tf.Tensor, a: tf.Tensor, cbar_c: tf.Tensor):
             row = start + size + i * block
@@ -137,11 +142,13 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
             # C̄ ← C̄ D⁻¹ (solving X D = C̄), then B̄ ← B̄ − C̄ R, with C̄ kept in J's columns.
             cbar = _tr(tf.linalg.triangular_solve(d, _tr(panels.block(panel, 0, start, block, size)),
                                                   lower=True, adjoint=True))
-            a = panels.put(a, row, with_columns(panel - tf.linalg.matmul(cbar, r), start, cbar))
+            a = panels.put(a, row, with_columns(panel if r is None else panel - tf.linalg.matmul(cbar, r),
+                                                start, cbar))
             # R̄ ← R̄ − C̄ᵀ B, a block of rows at a time (no [b, n] accumulator: XLA's compile
             # would hold its zeros as a constant); D̄'s share, C̄ᵀ C, is summed.
-            cbar_b = tf.linalg.matmul(cbar, left_of(panels.rows(factor, row, block), start), adjoint_a=True)
-            a = panels.put(a, start, panels.rows(a, start, size) - cbar_b)
+            if not first:
+                cbar_b = tf.linalg.matmul(cbar, left_of(panels.rows(factor, row, block), start), adjoint_a=True)
+                a = panels.put(a, start, panels.rows(a, start, size) - cbar_b)
             cbar_c += tf.linalg.matmul(cbar, panels.block(factor, row, start, block, size), adjoint_a=True)
             return i + 1, a, cbar_c
 
@@ -151,7 +158,7 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
         panel = panels.rows(a, start, size)
         dbar = tf.linalg.band_part(panels.block(panel, 0, start, size, size) - cbar_c, -1, 0)
         dbar = _diagonal_block_gradient(d, dbar)
-        panel = left_of(panel - tf.linalg.matmul(dbar + _tr(dbar), r), start)
+        panel = None if r is None else left_of(panel - tf.linalg.matmul(dbar + _tr(dbar), r), start)
         return panels.put(a, start, with_columns(panel, start, dbar))
 
     def symmetrised_rows(a: tf.Tensor, start: tf.Tensor | int, size: int) -> tf.Tensor:
