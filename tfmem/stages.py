@@ -247,10 +247,12 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        `_REPLANS` times; not when the static plan already missed its own target (a tighter
        one meets the same wall), nor when no plan can fit (the call's inputs, outputs and
        what the allocator holds leave its temporaries no room, however small).
-    3. A rewritten program that still does not fit is planned once more with XLA's live
-       set at its peak in view: what XLA holds there for later readers is made again for
-       them, a loop XLA peaks in takes smaller chunks (`_plan_around_xla_peaks`); kept when
-       XLA's plan then fits better (one more compile), and again at XLA's new peak. When
+    3. A rewritten program that XLA still plans over its share (`Budget.xla_bytes`: one
+       within the budget but over the share fits, with less margin than planned for) is
+       planned once more with XLA's live set at its peak in view: what XLA holds there for
+       later readers is made again for them, a loop XLA peaks in takes smaller chunks
+       (`_plan_around_xla_peaks`); kept when XLA's plan then fits better (one more
+       compile), and again at XLA's new peak. When
        the passes XLA decides on were compiled both ways in rule 2, the variant not kept
        is planned around its peaks too, and kept instead if XLA then fits it better
        (`_better_around_xla_peaks`).
@@ -393,7 +395,8 @@ def _plan_around_xla_peaks(traced: Traced, config: Config, compiled: Compiled, b
     them (`rewrites.split.recompute`), and a loop XLA peaked in takes smaller chunks
     (`Planner.shrink_at_xla_peaks`). Each round costs one more compile and is kept only if
     XLA's plan of it fits better (`Budget.plan_overshoot`); the next round sees the new
-    peak beside the old ones, up to `_XLA_PEAK_ROUNDS`.
+    peak beside the old ones, up to `_XLA_PEAK_ROUNDS`, while XLA's plan is over its share
+    of the budget (`Budget.xla_bytes`, what planning aims for; `Compiled.xla_overshoot`).
 
     For example GPflow's SGPR loss and gradients, N=20,000, M=3,600 under 512 MiB: XLA
     peaks in the Cholesky gradient of the second factor at 523 MiB, holding the first
@@ -659,5 +662,5 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
 
 
 _REPLANS = 2
-# Rounds of rule 3 (`_plan_around_xla_peaks`), each one more compile of a plan that did not fit.
+# Rounds of rule 3 (`_plan_around_xla_peaks`), each one more compile of a plan over XLA's share.
 _XLA_PEAK_ROUNDS = 2
