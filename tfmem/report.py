@@ -283,7 +283,9 @@ class Report:
                       + (f", more than the {format_size(self.xla_bytes_before)} it plans for the program as written"
                          if worse else "") + ")")
         elif self.budget is not None and self.compiled is not None and self.config.jit_compile:
-            peaks += f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)"
+            not_asked = any(r.rule == "XlaPlan" and r.reason.startswith("not asked") for r in self.records)
+            peaks += (f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)" if not_asked else
+                      " (no plan from XLA: it could not compile the rewritten program)")
         loops = [r for r in self.splits if not {"recomputed_in", "recomputed_for", "before"} & set(r.details)]
         if self.xla_bytes_after is None and self.budget is None and loops and self.config.jit_compile:
             # Without a budget nothing checks the loops against XLA's own plan, which can

@@ -37,7 +37,8 @@ from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config, format_size
 from tfmem.context import PassContext
 from tfmem.graph import Graph
-from tfmem.memory import MemoryEstimate, XlaPlan, estimate_memory, xla_expanded_ops, xla_plan
+from tfmem.memory import (TENSOR_LIST_OPS, MemoryEstimate, XlaPlan, estimate_memory, ops_in, xla_expanded_ops,
+                          xla_plan)
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_PEAK_RULE,
                           XLA_PEAK_RULES, XLA_SHRINK_RULE, Report)
@@ -236,7 +237,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     1. The passes plan to `Budget.plan_bytes`. A plan whose estimate fits even when XLA
        plans the estimate's largest measured error more (`Budget.fits_unchecked`) is
        compiled once, to run; not when it has an op XLA expands far beyond its output
-       (`memory.XLA_EXPANDED_OPS`: igamma, lgamma, polygamma), for which no margin holds.
+       (`memory.XLA_EXPANDED_OPS`: igamma, lgamma, polygamma, betainc), nor when the
+       program keeps values in TensorLists (`memory.TENSOR_LIST_OPS`: a gradient through a
+       loop, `map_fn` or `scan`), for which no margin holds.
        (Planning lower on purpose to get there would take smaller chunks, and every later
        step would pay for the compile saved once.)
     2. Otherwise XLA's plan is checked. When it is over `Budget.xla_bytes`, or has a
@@ -277,7 +280,9 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     # XLA's plan for these can be ten times the estimate (igamma over [1000, 1300] f64:
     # estimated 60.8 MiB, XLA plans 708 MiB), so no error margin makes the estimate safe.
     expanded = xla_expanded_ops(rewritten.graph)
-    if not ask_xla and not expanded and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
+    # The program's own TensorLists (not the split loops', whose stacks the estimate counts).
+    lists = ops_in(traced.graph, TENSOR_LIST_OPS)
+    if not ask_xla and not expanded and not lists and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
             f"not asked: the estimated peak {format_size(rewritten.memory.peak_bytes)} fits even if XLA plans "
             f"{ESTIMATE_ERROR}× it (the estimate's largest error measured on the corpus) in one block"))
@@ -355,11 +360,15 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
                                         input_signature=input_signature, name=name, xla_checked=not checked)
     best = _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
                                      name=name)
-    if expanded:  # said last: the plans above each carry the records of their own rewrite
+    # Said last: the plans above each carry the records of their own rewrite.
+    why_asked = ([f"the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries can be "
+                  "many times the estimate"] if expanded else []) + \
+                ([f"the program keeps values in TensorLists ({', '.join(lists)}), whose elements the estimate "
+                  "does not count: how many there are is set when its loops run"] if lists else [])
+    if why_asked:
         best = dataclasses.replace(best, rewritten=dataclasses.replace(best.rewritten, records=(
-            *best.rewritten.records, RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
-                f"asked: the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries "
-                "can be many times the estimate")))))
+            *best.rewritten.records, RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan",
+                                                   reason="asked: " + "; ".join(why_asked)))))
     return judged_as_the_allocator_is(best)
 
 

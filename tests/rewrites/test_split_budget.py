@@ -471,6 +471,41 @@ def test_a_program_whose_ops_xla_expands_asks_xla_however_small_its_estimate() -
     np.testing.assert_allclose(kept(*inputs).numpy(), _igamma_rows(*inputs).numpy(), rtol=1e-10)
 
 
+def _soft_min_rows_grad(x: tf.Tensor, z: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Each row's soft-min squared distance to the centres, by `map_fn`, and the gradient
+    with respect to the centres: the backward pass reads values the forward loop kept for
+    every row, in TensorLists (fuzz 14's `mapfn_rows_grad`, scaled down)."""
+    with tf.GradientTape() as tape:
+        tape.watch(z)
+        per_row = tf.map_fn(lambda row: tf.reduce_logsumexp(-2.0 * tf.reduce_sum((row[None, :] - z) ** 2, -1)), x,
+                            fn_output_signature=x.dtype)
+        loss = tf.reduce_sum(per_row)
+    return per_row, tape.gradient(loss, z)
+
+
+def test_a_program_that_keeps_values_in_tensor_lists_asks_xla_however_small_its_estimate() -> None:
+    # The estimate counts no element of a TensorList (how many there are is set when the
+    # loop runs): fuzz 14 found XLA planning 224× the estimate of a `map_fn` gradient, and
+    # the unchecked "fits" ran out of memory under a real limit.
+    from tfmem import stages
+
+    rng = np.random.default_rng(4)
+    inputs = (tf.constant(rng.normal(size=(300, 4))), tf.constant(rng.normal(size=(400, 4))))
+    traced = tfmem.TfmemFunction(_soft_min_rows_grad).trace(*inputs)
+    as_written = tfmem.memory.xla_plan(tf.function(_soft_min_rows_grad, jit_compile=True), *inputs)
+    budget = tfmem.Budget(max(int(2.5 * traced.memory.peak_bytes), 2**20), "config")
+    assert budget.fits_unchecked(traced.memory.peak_bytes)  # the estimate alone would say "fits"
+    assert as_written.total_bytes > 2 * budget.nbytes, (as_written.total_bytes, traced.memory.peak_bytes)
+    kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget.nbytes), inputs, {})
+    assert kept.checked_plan is not None  # XLA's plan decided
+    (asked,) = [r for r in kept.rewritten.records if r.rule == "XlaPlan" and r.reason.startswith("asked")]
+    assert "TensorList" in asked.reason, asked.reason
+    report = tfmem.Report.of(traced, kept)
+    assert not report.fits and "XLA's plan not asked" not in report.summary(), report.summary()
+    for got, want in zip(kept(*inputs), _soft_min_rows_grad(*inputs)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
+
+
 def test_a_plan_far_enough_under_the_budget_compiles_once_without_asking_xla(kernel_inputs, monkeypatch) -> None:
     from tfmem import stages
 

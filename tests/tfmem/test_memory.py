@@ -335,3 +335,23 @@ def test_a_loop_body_is_estimated_with_the_functions_it_calls_alone(monkeypatch)
     monkeypatch.setattr(memory, "_library_closure", lambda library, fdef: library)
     whole = estimate_memory(graph)
     assert (closed.peak_bytes, closed.peak_node) == (whole.peak_bytes, whole.peak_node)
+
+
+def test_ops_the_estimate_cannot_size_are_found_in_loop_bodies_too() -> None:
+    """Programs with these are never judged by the estimate alone (`compile_within_budget`):
+    XLA's expansions of special functions (betainc: 2.35× the estimate in fuzz 14) and the
+    TensorLists a loop's gradient keeps, here inside a `map_fn` body's own loop."""
+    from tfmem.memory import TENSOR_LIST_OPS, ops_in, xla_expanded_ops
+
+    @tf.function
+    def program(a: tf.Tensor, x: tf.Tensor) -> tf.Tensor:
+        def row(r: tf.Tensor) -> tf.Tensor:
+            return tf.reduce_sum(tf.math.betainc(a, a, r))
+        return tf.map_fn(row, x)
+
+    spec = tf.TensorSpec([3, 4], tf.float64)
+    graph = tfmem.Graph(program.get_concrete_function(tf.TensorSpec([4], tf.float64), spec).graph.as_graph_def())
+    assert xla_expanded_ops(graph) == ["Betainc"]
+    assert ops_in(graph, TENSOR_LIST_OPS)
+    plain = tf.function(lambda x: tf.reduce_sum(x * x)).get_concrete_function(spec).graph.as_graph_def()
+    assert ops_in(tfmem.Graph(plain), TENSOR_LIST_OPS | tfmem.memory.XLA_EXPANDED_OPS) == []

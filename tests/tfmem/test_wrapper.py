@@ -670,3 +670,19 @@ def test_outer_tape_through_gpflow_predict_f_split(rng: np.random.Generator) -> 
     assert wrapped.report(xs).splits, wrapped.report(xs).summary()
     for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _numpy_of_a_product(x):
+    return tf.numpy_function(lambda a: a * 2, [x @ x], tf.float32) + 1.0
+
+
+def test_a_budget_report_says_xla_gave_no_plan_where_it_could_not_compile() -> None:
+    """Where XLA cannot compile the rewritten program, its plan was asked for and none came:
+    the summary says so, not that it was not asked because the estimate fits (fuzz 14: a
+    `slogdet` gradient said "does NOT fit … (XLA's plan not asked: 1.75× the estimate fits)")."""
+    x = tf.ones([512, 512])
+    report = tfmem.function(_numpy_of_a_product, config=Config(memory_budget="64KiB")).report(x)
+    assert not report.fits and report.xla_bytes_after is None, report.summary()
+    assert "no plan from XLA: it could not compile" in report.summary() and "not asked" not in report.summary()
+    roomy = tfmem.function(_numpy_of_a_product, config=Config(memory_budget="64MiB")).report(x)
+    assert roomy.fits and "XLA's plan not asked" in roomy.summary(), roomy.summary()
