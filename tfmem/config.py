@@ -488,6 +488,23 @@ class Config:
         return cls.from_mapping(values, base=config, source="flags")
 
 
+def _keys_checked(init: Any) -> Any:
+    """`Config.__init__`, naming a mistyped keyword as the file and mapping loaders do
+    (dataclasses' own error says only "unexpected keyword argument")."""
+    @functools.wraps(init)
+    def checked(self: Config, *args: Any, **kwargs: Any) -> None:
+        known = [field.name for field in dataclasses.fields(Config)]
+        for key in kwargs:
+            if key not in known:
+                raise TypeError(f"Config: unknown key {key!r}{did_you_mean(key, known)}; known keys: {', '.join(known)}")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+Config.__init__ = _keys_checked(Config.__init__)  # type: ignore[method-assign]
+
+
 def define_flags(flag_values: Any = None) -> None:
     """Defines `--tfmem_config` and one `--tfmem_<key>` string flag per config key."""
     from absl import flags

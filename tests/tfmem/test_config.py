@@ -249,3 +249,9 @@ def test_file_errors_are_one_line_naming_file_key_and_problem(tmp_path: Path, te
 def test_unknown_environment_variable_suggests_the_right_one() -> None:
     with pytest.raises(ValueError, match=r"TFMEM_TENSOR_SIZE_TRESHOLD \(did you mean 'TFMEM_TENSOR_SIZE_THRESHOLD'\?\)"):
         Config.from_env({"TFMEM_TENSOR_SIZE_TRESHOLD": "1GB"})
+
+
+def test_a_mistyped_keyword_names_the_key_and_the_closest_one() -> None:
+    with pytest.raises(TypeError, match=r"unknown key 'memroy_budget' \(did you mean 'memory_budget'\?\); known keys"):
+        Config(memroy_budget="1GiB")
+    assert Config(memory_budget="1GiB") == dataclasses.replace(Config(), memory_budget="1GiB")
