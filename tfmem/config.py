@@ -496,7 +496,8 @@ def _keys_checked(init: Any) -> Any:
         known = [field.name for field in dataclasses.fields(Config)]
         for key in kwargs:
             if key not in known:
-                raise TypeError(f"Config: unknown key {key!r}{did_you_mean(key, known)}; known keys: {', '.join(known)}")
+                raise TypeError(f"Config: unknown key {key!r}{did_you_mean(key, known)}; "
+                                f"known keys: {', '.join(known)}")
         init(self, *args, **kwargs)
 
     return checked
