@@ -133,8 +133,7 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
         # nothing left of it: `left_of` there is a select whose predicate is all false, and
         # Grappler folds it into an [h, n] constant of zeros (6.3 MiB at n = 3,800), built
         # on the host and handed to XLA as a literal.
-        first = isinstance(start, int) and start == 0
-        r = None if first else left_of(panels.rows(factor, start, size), start)
+        r = None if isinstance(start, int) and start == 0 else left_of(panels.rows(factor, start, size), start)
 
         def below(i: tf.Tensor, a: tf.Tensor, cbar_c: tf.Tensor):
             row = start + size + i * block
@@ -146,7 +145,7 @@ def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int
                                                 start, cbar))
             # R̄ ← R̄ − C̄ᵀ B, a block of rows at a time (no [b, n] accumulator: XLA's compile
             # would hold its zeros as a constant); D̄'s share, C̄ᵀ C, is summed.
-            if not first:
+            if r is not None:
                 cbar_b = tf.linalg.matmul(cbar, left_of(panels.rows(factor, row, block), start), adjoint_a=True)
                 a = panels.put(a, start, panels.rows(a, start, size) - cbar_b)
             cbar_c += tf.linalg.matmul(cbar, panels.block(factor, row, start, block, size), adjoint_a=True)

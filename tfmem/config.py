@@ -55,6 +55,10 @@ def did_you_mean(word: Any, known: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# Strings that mean "no size given" (`parse_size` returns None for them, as for None).
+_NO_SIZE = ("", "none", "null")
+
+
 def parse_size(value: Any, *, key: str = "size") -> int | None:
     """Parses a byte size: an int, or a string with a decimal or binary unit.
 
@@ -80,7 +84,7 @@ def parse_size(value: Any, *, key: str = "size") -> int | None:
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     elif isinstance(value, str):
-        if value.strip().lower() in ("", "none", "null"):
+        if value.strip().lower() in _NO_SIZE:
             return None
         match = _SIZE_RE.match(value)
         if not match:
@@ -242,8 +246,8 @@ def _parse_budget(value: Any, *, key: str) -> int | str | None:
     if value is False or isinstance(value, str) and value.strip().lower() in (BUDGET_OFF, "false"):
         return BUDGET_OFF
     size = parse_size(value, key=key)
-    if size is None and value not in (None, "") and not (isinstance(value, str) and value.strip().lower()
-                                                          in ("", "none", "null")):
+    unset = value is None or isinstance(value, str) and value.strip().lower() in _NO_SIZE
+    if size is None and not unset:
         # parse_size reads 0 as "no limit"; for a budget that would silently mean the
         # device's, which is not what a zero says.
         raise ValueError(f"{key}: a budget of {value!r} bytes cannot hold anything; set a size like "
@@ -493,11 +497,10 @@ def _keys_checked(init: Any) -> Any:
     (dataclasses' own error says only "unexpected keyword argument")."""
     @functools.wraps(init)
     def checked(self: Config, *args: Any, **kwargs: Any) -> None:
-        known = [field.name for field in dataclasses.fields(Config)]
-        for key in kwargs:
-            if key not in known:
-                raise TypeError(f"Config: unknown key {key!r}{did_you_mean(key, known)}; "
-                                f"known keys: {', '.join(known)}")
+        try:
+            check_keys(kwargs, Config.keys(), source="Config")
+        except ValueError as err:  # a wrong keyword argument: Python's own error type
+            raise TypeError(str(err)) from None
         init(self, *args, **kwargs)
 
     return checked

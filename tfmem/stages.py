@@ -361,10 +361,13 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     best = _never_worse_than_written(traced, config, best, budget, args, kwargs, input_signature=input_signature,
                                      name=name)
     # Said last: the plans above each carry the records of their own rewrite.
-    why_asked = ([f"the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries can be "
-                  "many times the estimate"] if expanded else []) + \
-                ([f"the program keeps values in TensorLists ({', '.join(lists)}), whose elements the estimate "
-                  "does not count: how many there are is set when its loops run"] if lists else [])
+    why_asked = []
+    if expanded:
+        why_asked.append(f"the program has {', '.join(expanded)}, which XLA lowers to loops whose temporaries can "
+                         "be many times the estimate")
+    if lists:
+        why_asked.append(f"the program keeps values in TensorLists ({', '.join(lists)}), whose elements the "
+                         "estimate does not count: how many there are is set when its loops run")
     if why_asked:
         best = dataclasses.replace(best, rewritten=dataclasses.replace(best.rewritten, records=(
             *best.rewritten.records, RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan",
