@@ -309,7 +309,8 @@ class Config:
             whether or not the budget needs it; None = let the budget decide. It adds
             splits; it never lifts the budget.
         tensor_split_size: expert override: the largest tensor a split loop body may
-            hold; None = the threshold, or whatever fits the budget.
+            hold, beside a threshold or a budget (the budget never grows a chunk past
+            it); None = the threshold, or whatever fits the budget.
         passes: the pipeline stages that run, a subset of `PASS_STAGES`.
         jit_compile: compile the rewritten graph with XLA (and the program as written, where it
             falls back, as stock `tf.function(jit_compile=True)` would).

@@ -63,7 +63,7 @@ class SplitOversizedRegions(GraphPass):
         if target is None:
             if threshold is None:
                 return PassResult(graph, False, [])
-            planner = Planner(self.name, graph)
+            planner = Planner(self.name, graph, split_size=config.split_size)
             planner.sink_all(threshold, None, config.split_size)
             planner.split_all(threshold, config.split_size)
             return PassResult(graph, bool(planner.loops), planner.records)

@@ -124,11 +124,11 @@ class Planner:
         the graph as it was, and keeps whichever plan has the lower peak.
         """
         before = graph.copy() if threshold is not None else None
-        planner = cls(pass_name, graph, loop_body=loop_body)
+        planner = cls(pass_name, graph, loop_body=loop_body, split_size=split_size)
         verdict = planner._fit(target, threshold, split_size)
         if before is None or verdict.fits:
             return planner, verdict
-        alone = cls(pass_name, before, loop_body=loop_body)
+        alone = cls(pass_name, before, loop_body=loop_body, split_size=split_size)
         alone_verdict = alone._fit(target, None, split_size)
         if alone_verdict.peak_bytes >= verdict.peak_bytes:
             return planner, verdict
@@ -152,9 +152,13 @@ class Planner:
                            slice_limit=0 if split_size else target // _SURELY_SPLIT_SHARE)
         return self.fit_budget(target, split_size)
 
-    def __init__(self, pass_name: str, graph: Graph, *, loop_body: bool = False) -> None:
+    def __init__(self, pass_name: str, graph: Graph, *, loop_body: bool = False,
+                 split_size: int | None = None) -> None:
         self.pass_name = pass_name
         self.graph = graph
+        # The user's `tensor_split_size`: no loop body's tensor grows past it, whatever
+        # room the budget leaves (chunks are sized by it, and grown only up to it).
+        self.split_size = split_size
         # A program's outputs are held whole at its end, so a loop may assemble one from its
         # chunks; a loop body's outputs are its next trip's state, assembled on every trip.
         self.assemble_returned = not loop_body
@@ -384,7 +388,7 @@ class Planner:
 
             def plan_body(body: Graph, loop: str = loop, outside: int = outside) -> list[RewriteRecord]:
                 if plan is None:  # by threshold alone, as the program around it
-                    inner = Planner(self.pass_name, body, loop_body=True)
+                    inner = Planner(self.pass_name, body, loop_body=True, split_size=split_size)
                     inner.split_all(threshold or nbytes, split_size or threshold or nbytes)
                     verdict = PlanVerdict(True, estimate_memory(body).peak_bytes, 0)
                 else:
@@ -680,8 +684,14 @@ class Planner:
         return chunk, replaced
 
     def _rechunk_within(self, loop: Loop, chunk: int, limit: int) -> MemoryEstimate | None:
-        """`loop` in chunks of `chunk` if the program's peak then stays within `limit`
-        (its estimate); else the loop as it was, and None."""
+        """`loop` in larger chunks of `chunk` if the program's peak then stays within
+        `limit` (its estimate); else the loop as it was, and None. Never past the user's
+        `tensor_split_size`: the chunk is cut to the longest that keeps the body's
+        largest tensor within it."""
+        if self.split_size is not None:
+            chunk = min(chunk, max(loop.chunk, self.split_size // max(loop.per_unit, 1)))
+            if chunk <= loop.chunk:
+                return None
         checkpoint = self._checkpoint()
         after = self._try_rechunk(loop, chunk)
         if after is None or after.peak_bytes > limit:

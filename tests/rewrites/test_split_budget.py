@@ -58,6 +58,21 @@ def test_a_larger_budget_takes_fewer_larger_chunks(kernel_inputs) -> None:
     assert roomy.fits and not roomy.splits and roomy.summary().startswith("fits 1.0 GiB")
 
 
+def test_a_split_size_set_beside_the_budget_caps_every_chunk(kernel_inputs) -> None:
+    # The budget alone grows chunks as far as it leaves room (here past 2 MiB); the user's
+    # tensor_split_size still bounds every loop body's tensors.
+    alone = tfmem.TfmemFunction(kernel_times, config={"memory_budget": "24MiB"}).report(*kernel_inputs)
+    assert max(r.details["chunk_bytes"] for r in alone.splits) > 2 * 2**20, str(alone)
+    for split_size in (2 * 2**20, 2**20):
+        config = {"memory_budget": "24MiB", "tensor_split_size": split_size, "strict": True}
+        wrapped = tfmem.TfmemFunction(kernel_times, config=config)
+        report = wrapped.report(*kernel_inputs)
+        assert report.fits and report.splits, str(report)
+        assert all(r.details["chunk_bytes"] <= split_size for r in report.splits), str(report)
+        np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(),
+                                   rtol=1e-10)
+
+
 def test_a_loop_at_the_peak_is_shrunk_until_it_fits(kernel_inputs) -> None:
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     graph = traced.graph.copy()
