@@ -355,8 +355,12 @@ def emit_loop(graph: Graph, region: SliceRegion, chunk: int, *, max_write_out: i
             arrays = [ta.write(i, _to_front(w, a)) for ta, w, a in zip(arrays, written, out_axes)]
             return i + 1, acc, arrays
 
+        # One trip at a time: TensorFlow's executor (jit_compile off) otherwise starts up to
+        # 10 trips at once, each holding its chunk, and the loop holds 10 chunks where the
+        # plan counts one (a [4000, 4000] kernel under 64 MiB ran out of memory). XLA runs
+        # trips one by one anyway.
         _, acc, arrays = tf.while_loop(lambda i, *_: i < full, body, (tf.constant(first), acc, arrays),
-                                       maximum_iterations=full - first)
+                                       maximum_iterations=full - first, parallel_iterations=1)
         if remainder and not peel:
             last_written, partials = run_chunk(tensors, full * chunk, remainder)
             acc = [combiners[n].merge(a, p) for n, a, p in zip(sink_names, acc, partials)]

@@ -69,7 +69,6 @@ def rebuild_while(graph: Graph, loop: str, body: Graph, cond: Graph, kept: Seque
     loop_inputs = graph.inputs(loop)
     body_args = [arg.name for arg in graph.function(node.attr["body"].func.name).signature.input_arg]
     cond_args = [arg.name for arg in graph.function(node.attr["cond"].func.name).signature.input_arg]
-    parallel = node.attr["parallel_iterations"].i or 10
     declared = list(node.attr["output_shapes"].list.shape)
     kept_shapes = [tf.TensorShape(declared[slot]) for slot in kept] if len(declared) == len(loop_inputs) else None
     carried = len(kept)
@@ -95,8 +94,11 @@ def rebuild_while(graph: Graph, loop: str, body: Graph, cond: Graph, kept: Seque
             return outputs[:carried] + extras.step(list(values[carried:]), outputs[carried:])
 
         invariants = None if kept_shapes is None else kept_shapes + [t.shape for t in start]
+        # One trip at a time, whatever the user's loop allowed: its body now makes in chunks
+        # what it read whole, and trips run side by side (TensorFlow's executor, jit_compile
+        # off) would each hold their chunks at once. XLA runs trips one by one anyway.
         results = tf.while_loop(cond_fn, body_fn, list(tensors[:carried]) + start,
-                                shape_invariants=invariants, parallel_iterations=parallel)
+                                shape_invariants=invariants, parallel_iterations=1)
         results = list(results)
         return results[:carried] + extras.finish(results[carried:], list(tensors[carried:]))
 

@@ -154,6 +154,54 @@ def test_power_iteration_sinks_k_and_splits_its_read_after_the_loop(rng):
         np.testing.assert_allclose(got, expected, rtol=1e-9)
 
 
+def _while_nodes(graph_def) -> list:
+    """Every While node of a GraphDef, in its functions (loop bodies) too."""
+    nodes = list(graph_def.node) + [node for f in graph_def.library.function for node in f.node_def]
+    return [node for node in nodes if node.op in ("While", "StatelessWhile")]
+
+
+def test_every_loop_tfmem_builds_or_rebuilds_runs_one_trip_at_a_time(rng):
+    # TensorFlow's executor (jit_compile off) starts up to `parallel_iterations` trips at
+    # once, each holding its chunk; the plan counts one. The user's loop wrote 10 (the
+    # default); once its body makes K in chunks, it runs one trip at a time too.
+    n = 400
+    x = _points(rng, n)
+    config = tfmem.Config(memory_budget=_budget(n), strict=True)
+    report = tfmem.function(power_iteration, config=config).report(x)
+    assert len(_records(report, SINK)) == 1, str(report)
+    loops = _while_nodes(report.rewritten_graph_def)
+    assert len(loops) >= 2  # the user's loop, rebuilt, and the chunked loops in and after it
+    assert all(node.attr["parallel_iterations"].i == 1 for node in loops), \
+        [(node.name, node.attr["parallel_iterations"].i) for node in loops]
+
+
+def test_split_loops_without_xla_hold_one_chunk_under_a_real_limit() -> None:
+    # jit_compile off, a [4000, 4000] f64 kernel (122 MiB) under a 40 MiB limit: with 10
+    # trips in flight TensorFlow's executor ran out of memory in the loop the report said
+    # fits (in one run of two: how many trips overlap depends on the machine's threads).
+    result = tfmem.run_isolated(_kernel_sum_without_xla, 4000, "40MiB", memory_limit_mb=40, timeout=None)
+    assert result.ok, result.error
+    assert result.value["fits"] and result.value["status"] == "ok", result.value
+
+
+def _kernel_sum_without_xla(n: int, budget: str) -> dict:
+    rng = np.random.default_rng(3)
+    x, v = tf.constant(rng.normal(size=(n, 4))), tf.constant(rng.normal(size=(n, 4)))
+
+    def fn(x, v):
+        d = tf.reduce_sum((x[:, None] - x[None]) ** 2, -1)
+        return tf.reduce_sum(tf.exp(-0.5 * d) @ v, 0), tf.reduce_logsumexp(-d, 1)
+
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=budget, jit_compile=False))
+    fits = wrapped.report(x, v).fits
+    try:
+        [t.numpy() for t in wrapped(x, v)]
+        status = "ok"
+    except tf.errors.ResourceExhaustedError:
+        status = "oom"
+    return {"fits": fits, "status": status}
+
+
 def test_an_invariant_the_budget_can_hold_is_not_sunk(rng):
     n = 200
     x, y = _points(rng, n), tf.constant(rng.normal(size=(n, 1)))
