@@ -631,6 +631,17 @@ class Graph:
         node.input[data_positions[position]] = tensor.as_input()
         self._changed(name)
 
+    def add_control_input(self, name: str, producer: str) -> bool:
+        """Makes node `name` wait on node `producer` (`^producer`). Returns whether the
+        edge is new."""
+        node = self.node(name)
+        self.node(producer)  # raises for a node not in the graph
+        if f"^{producer}" in node.input:
+            return False
+        node.input.append(f"^{producer}")
+        self._changed(name)
+        return True
+
     def remove_control_input(self, name: str, producer: str) -> bool:
         """Drops the control edge `^producer` from node `name`. Returns whether it was there."""
         node = self.node(name)

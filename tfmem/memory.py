@@ -155,6 +155,11 @@ def estimate_memory(graph: Graph | graph_pb2.GraphDef, *, outputs: Any = ()) -> 
     return _Estimator(graph).run()
 
 
+def schedule(graph: Graph) -> list[str]:
+    """The order in which `estimate_memory` runs `graph`'s nodes (see `_Estimator._schedule`)."""
+    return _Estimator(graph)._schedule()
+
+
 def _returned_source(body: Any, producers: Mapping[str, Any], index: int, through: frozenset[str]) -> str:
     """Where a function's output `index` comes from, followed back through ops in
     `through` (their first input): a FunctionDef tensor ("node:output_arg:index") or,

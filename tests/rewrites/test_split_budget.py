@@ -240,6 +240,77 @@ def test_a_program_whose_inputs_fill_the_allocator_is_not_said_to_fit() -> None:
         assert "the allocator" in outcome["summary"], outcome["summary"]  # what it holds, or the regions it grew
 
 
+def kernel_sum(x, v):
+    """One [n, n] kernel read twice: one split loop."""
+    d = tf.reduce_sum((x[:, None] - x[None]) ** 2, -1)
+    return tf.reduce_sum(tf.exp(-0.5 * d) @ v, 0), tf.reduce_logsumexp(-d, 1)
+
+
+def two_kernel_sums(x, v):
+    """Two [n, n] kernels no data orders: two split loops."""
+    dx = tf.reduce_sum((x[:, None] - x[None]) ** 2, -1)
+    dv = tf.reduce_sum((v[:, None] - v[None]) ** 2, -1)
+    return tf.reduce_sum(tf.exp(-dx) @ x, 0), tf.reduce_sum(tf.exp(-dv) @ v, 0)
+
+
+def without_xla_under_a_limit(program: str, n: int, budget: str) -> dict[str, Any]:
+    """The verdict on `program` with jit_compile off, and how its call went, in a process
+    under a real limit."""
+    fn = {"kernel_sum": kernel_sum, "two_kernel_sums": two_kernel_sums}[program]
+    rng = np.random.default_rng(3)
+    x, v = tf.constant(rng.normal(size=(n, 4))), tf.constant(rng.normal(size=(n, 4)))
+    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=budget, jit_compile=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmem.TfmemWarning)
+        report = wrapped.report(x, v)
+    try:
+        [t.numpy() for t in wrapped(x, v)]
+        status = "ok"
+    except tf.errors.ResourceExhaustedError:
+        status = "oom"
+    return {"fits": report.fits, "loops": len(report.splits), "summary": report.summary(), "status": status}
+
+
+@pytest.mark.parametrize("program, loops", [("kernel_sum", 1), ("two_kernel_sums", 2)])
+def test_without_xla_a_fit_holds_under_a_real_limit(program: str, loops: int) -> None:
+    # jit_compile off, [4000, 4000] f64 kernels (122 MiB each) under a 40 MiB limit.
+    # TensorFlow's executor starts every op whose inputs are ready: a loop ran up to 10
+    # trips at once (`parallel_iterations`), and two loops no data orders ran side by side
+    # (and beside the last chunk the other computes after its trips), each holding its
+    # chunks where the plan counts one; the "fits" ran out of memory (in one run of two to
+    # four: how much overlaps depends on the machine's threads).
+    result = tfmem.run_isolated(without_xla_under_a_limit, program, 4000, "40MiB", memory_limit_mb=40, timeout=None)
+    assert result.ok, result.error
+    assert result.value["loops"] == loops, result.value
+    assert result.value["fits"] and result.value["status"] == "ok", result.value
+
+
+def test_without_xla_loops_and_large_ops_run_in_the_estimates_order(rng: np.random.Generator) -> None:
+    from tfmem.capture import heavy_ops_in_turn
+    from tfmem.memory import WHILE_LOOP_OPS, schedule
+
+    x, v = tf.constant(rng.normal(size=(600, 4))), tf.constant(rng.normal(size=(500, 4)))  # two loops, not one
+    config = tfmem.Config(memory_budget="2MiB", jit_compile=False, strict=True)
+    rewritten = tfmem.TfmemFunction(two_kernel_sums).trace(x, v).rewrite(config)
+    graph = rewritten.graph
+    loops = [name for name in schedule(graph) if graph.node(name).op in WHILE_LOOP_OPS]
+    assert len(loops) == 2 and loops[0] not in graph.ancestors(loops[1])
+    ordered = heavy_ops_in_turn(graph)
+    assert loops[0] in ordered.ancestors(loops[1])
+    assert loops[0] not in graph.ancestors(loops[1])  # a copy: the plan itself is left as it was
+    # Each op waits on the one before it in the estimate's order, and on nothing else new.
+    added = {name: set(ordered.control_inputs(name)) - set(graph.control_inputs(name)) for name in (node.name for node in graph.nodes)}
+    chained = [name for name in schedule(graph) if added[name] or any(name in a for a in added.values())]
+    assert all(added[after] == {before} for before, after in zip(chained, chained[1:])), added
+    assert not added[chained[0]] and set(loops) <= set(chained)
+    small = tf.constant(rng.normal(size=(20, 4)))
+    plain = tfmem.TfmemFunction(kernel_sum).trace(small, small).rewrite(config).graph
+    assert heavy_ops_in_turn(plain) is plain  # nothing large: nothing to order
+    got = tfmem.function(two_kernel_sums, config=config)(x, v)
+    for a, b in zip(got, two_kernel_sums(x, v)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10)
+
+
 def test_without_a_budget_or_threshold_nothing_is_split(kernel_inputs) -> None:
     report = tfmem.TfmemFunction(kernel_times).report(*kernel_inputs)
     assert report.budget is None and not report.splits
