@@ -202,16 +202,21 @@ def gram_style_loss_under_a_limit(rows: int, budget: int) -> dict[str, Any]:
     """
     rng = np.random.default_rng(8)
     a, b = (tf.cast(tf.constant(rng.normal(size=(rows, 64)).astype(np.float32)), tf.float64) for _ in range(2))
-    wrapped = tfmem.function(gram_style_loss, config=tfmem.Config(memory_budget=budget))
+    return verdict_and_call(gram_style_loss, tfmem.Config(memory_budget=budget), a, b)
+
+
+def verdict_and_call(fn: Any, config: tfmem.Config, *args: Any) -> dict[str, Any]:
+    """tfmem's verdict on `fn(*args)` under `config`, then how the call went ("ok", "oom")."""
+    wrapped = tfmem.function(fn, config=config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tfmem.TfmemWarning)
-        report = wrapped.report(a, b)
+        report = wrapped.report(*args)
     try:
-        [t.numpy() for t in wrapped(a, b)]
+        [t.numpy() for t in tf.nest.flatten(wrapped(*args))]
         status = "ok"
     except tf.errors.ResourceExhaustedError:
         status = "oom"
-    return {"fits": report.fits, "summary": report.summary(), "status": status}
+    return {"fits": report.fits, "loops": len(report.splits), "summary": report.summary(), "status": status}
 
 
 _GRAM_BUDGET = 2 * 64 * 64 * 8 * 1000  # 62.5 MiB
@@ -259,16 +264,7 @@ def without_xla_under_a_limit(program: str, n: int, budget: str) -> dict[str, An
     fn = {"kernel_sum": kernel_sum, "two_kernel_sums": two_kernel_sums}[program]
     rng = np.random.default_rng(3)
     x, v = tf.constant(rng.normal(size=(n, 4))), tf.constant(rng.normal(size=(n, 4)))
-    wrapped = tfmem.function(fn, config=tfmem.Config(memory_budget=budget, jit_compile=False))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tfmem.TfmemWarning)
-        report = wrapped.report(x, v)
-    try:
-        [t.numpy() for t in wrapped(x, v)]
-        status = "ok"
-    except tf.errors.ResourceExhaustedError:
-        status = "oom"
-    return {"fits": report.fits, "loops": len(report.splits), "summary": report.summary(), "status": status}
+    return verdict_and_call(fn, tfmem.Config(memory_budget=budget, jit_compile=False), x, v)
 
 
 @pytest.mark.parametrize("program, loops", [("kernel_sum", 1), ("two_kernel_sums", 2)])
