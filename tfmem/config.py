@@ -318,7 +318,7 @@ class Config:
             rewrite, import or run a graph.
         verify: on the first call of each signature, run the original and the rewritten
             function and compare their outputs (skipped, with a warning, for functions
-            that write variables).
+            that write variables, and where the original runs out of memory).
         verify_rtol, verify_atol: tolerances of that comparison.
         plan_cache: a directory where each signature's plan (the rewritten graph, the
             verdict, XLA's checked plan) is kept, so that a later process running the

@@ -538,6 +538,37 @@ def test_verify_catches_a_wrong_rewrite() -> None:
         tfmem.TfmemFunction(fn, passes=[_ChangeConstants()], config=Config(verify=True, strict=True))(tf.ones([3]))
 
 
+def _verified_under_a_limit(n: int, budget: str) -> dict[str, Any]:
+    import warnings
+
+    def fn(x):
+        return tf.reduce_sum(tf.exp(-tf.reduce_sum((x[:, None] - x[None]) ** 2, -1)), 1)
+
+    x = tf.constant(np.random.default_rng(5).normal(size=(n, 4)))
+    wrapped = tfmem.function(fn, config=Config(memory_budget=budget, verify=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tfmem.TfmemWarning)
+        got = wrapped(x).numpy()
+    # The reference, in NumPy (the limit bounds TensorFlow's allocator only), by row blocks.
+    points = x.numpy()
+    want = np.concatenate([np.exp(-((points[i:i + 500, None] - points[None]) ** 2).sum(-1)).sum(1)
+                           for i in range(0, n, 500)])
+    return {"max_rel_err": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, tfmem.TfmemWarning)],
+            "status": wrapped.report(x).status}
+
+
+def test_verify_where_the_program_as_written_runs_out_of_memory_returns_the_rewrite() -> None:
+    # [4000, 4000, 4] f64 differences (488 MiB) under a 64 MiB limit: the rewrite fits, the
+    # program as written (the reference) does not. The call returned nothing: the
+    # reference's out-of-memory escaped it.
+    result = tfmem.run_isolated(_verified_under_a_limit, 4000, "64MiB", memory_limit_mb=64, timeout=None)
+    assert result.ok, result.error
+    assert result.value["max_rel_err"] < 1e-12 and result.value["status"] == "rewritten", result.value
+    assert any(w.startswith("tfmem: could not verify") and "ran out of memory" in w
+               for w in result.value["warnings"]), result.value
+
+
 def test_a_fallback_says_its_budget_was_planned_for_the_rewritten_program() -> None:
     """A budget verdict comes before the run; when the rewrite is dropped after it, the fallback's
     warning says the verdict was the rewritten program's, and what the program as written needs."""
