@@ -81,6 +81,8 @@ class Report:
             for it (no plan was checked against a budget).
         first_run_seconds: the first call of the compiled program (XLA compiles it
             then, and runs it), once it was made.
+        without_xla: why the rewritten program runs in graph mode, without XLA, where the
+            config asked for XLA (XLA could not compile it: the error); "" when it does not.
 
     Properties (computed from the stages): status, reason, budget, verdict, records,
     pass_seconds, pipeline_seconds, memory_before, memory_after, nodes_before,
@@ -100,6 +102,7 @@ class Report:
     xla_bytes_before: int | None = None
     explained_xla_plan: XlaPlan | None = None
     first_run_seconds: float | None = None
+    without_xla: str = ""
 
     @classmethod
     def of(cls, traced: Traced, stage: Rewritten | Compiled, *, config: Config | None = None,
@@ -282,6 +285,8 @@ class Report:
             peaks += (f" (XLA plans {format_size(self.xla_bytes_after)}"
                       + (f", more than the {format_size(self.xla_bytes_before)} it plans for the program as written"
                          if worse else "") + ")")
+        elif self.without_xla:
+            peaks += f" (runs without XLA, which cannot compile it: {self.without_xla})"
         elif self.budget is not None and self.compiled is not None and self.config.jit_compile:
             not_asked = any(r.rule == "XlaPlan" and r.reason.startswith("not asked") for r in self.records)
             peaks += (f" (XLA's plan not asked: {ESTIMATE_ERROR}× the estimate fits)" if not_asked else

@@ -169,16 +169,18 @@ class Rewritten:
         programs to add them)."""
         return Report.of(self.traced, self)
 
-    def compile(self, *, input_signature: Any = None, name: str = "tfmem") -> Compiled:
-        """Imports the rewritten graph into a `tf.function` (with XLA when the config says so).
+    def compile(self, *, input_signature: Any = None, name: str = "tfmem", with_xla: bool | None = None) -> Compiled:
+        """Imports the rewritten graph into a `tf.function`, with XLA when `with_xla` says so
+        (None: when the config does).
 
         Tracing happens on the first call: errors XLA raises for a graph it cannot take
         surface there.
         """
         start = time.perf_counter()
-        function = import_as_function(self.traced.captured, self.graph, jit_compile=self.config.jit_compile,
+        with_xla = self.config.jit_compile if with_xla is None else with_xla
+        function = import_as_function(self.traced.captured, self.graph, jit_compile=with_xla,
                                       input_signature=input_signature, name=name)
-        return Compiled(self, function, time.perf_counter() - start)
+        return Compiled(self, function, time.perf_counter() - start, with_xla=with_xla)
 
     def for_trace(self, traced: Traced) -> Rewritten:
         """This rewrite, for another trace of the same program (a replica's: same graph,
@@ -197,6 +199,8 @@ class Compiled:
         held: what the allocator held when the plan was checked, and its peak
             (`Budget.fits_xla_plan` judges the plan beside them).
         check_seconds: how long asking XLA took (it compiles the program).
+        with_xla: whether the function runs under XLA (as the config says, unless XLA
+            could not compile the rewrite: `TfmemFunction._run_without_xla`).
     """
 
     rewritten: Rewritten
@@ -206,13 +210,14 @@ class Compiled:
     xla_overshoot: float | None = None
     check_seconds: float = 0.0
     held: Held = NOTHING_HELD
+    with_xla: bool = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
 
     def xla_plan(self, *args: Any, **kwargs: Any) -> XlaPlan | None:
         """XLA's buffer assignment for one call (None when not compiled with XLA)."""
-        if not self.rewritten.config.jit_compile:
+        if not self.with_xla:
             return None
         return xla_plan(self.function, *args, **kwargs)
 

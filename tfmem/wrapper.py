@@ -153,13 +153,45 @@ class TfmemFunction:
                 raise  # a real out-of-memory: the original would not do better
             result = self._run_checked(signature, args, kwargs, err)
         except Exception as err:  # tracing, importing or compiling the rewrite failed
-            self._fall_back(signature, f"the rewritten graph failed on its first call: "
-                                       f"{type(err).__name__}: {first_line(err)}", err)
-            return self._run_as_written(signature, args, kwargs)
+            ran, result = self._run_without_xla(signature, args, kwargs, err)
+            if not ran:
+                self._fall_back(signature, f"the rewritten graph failed on its first call: "
+                                           f"{type(err).__name__}: {first_line(err)}", err)
+                return self._run_as_written(signature, args, kwargs)
         signature.report = dataclasses.replace(signature.report, first_run_seconds=time.perf_counter() - start)
         if signature.report.config.verify:
             return self._verify(signature, args, kwargs, result)
         return result
+
+    def _run_without_xla(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         err: Exception) -> tuple[bool, Any]:
+        """Runs a rewrite XLA failed to compile (`err`) in graph mode, without XLA: whether it
+        ran, and its result.
+
+        Its plan holds there too (TensorFlow's executor keeps the estimate's order:
+        `capture.heavy_ops_in_turn`), where the program as written, which XLA refuses
+        just as well (a loop's gradient with no bound on its trips), holds every
+        whole matrix. Not for a rewrite that changed nothing, nor where it fails in graph
+        mode too: then the caller falls back to the program as written.
+        """
+        compiled, report = signature.compiled, signature.report
+        if compiled is None or not compiled.with_xla or report.status != "rewritten":
+            return False, None
+        try:
+            plain = compiled.rewritten.compile(input_signature=self._input_signature, name=f"tfmem_{self._scope}",
+                                               with_xla=False)
+            result = plain(*args, **kwargs)
+        except tf.errors.ResourceExhaustedError:
+            raise  # a real out-of-memory: the program as written holds more
+        except Exception:  # noqa: BLE001 - it fails without XLA too: the fallback says why (`err`)
+            return False, None
+        why = f"{type(err).__name__}: {first_line(err)}"
+        signature.compiled = plain
+        signature.report = dataclasses.replace(
+            Report.of(signature.traced, plain, config=report.config, replica=report.replica), without_xla=why)
+        warn(f"tfmem: XLA cannot compile the rewritten {self._name}{report.signature}{report.where} ({why}); "
+             "it runs in graph mode, without XLA, as planned for the budget")
+        return True, result
 
     @staticmethod
     def _can_ask_xla(signature: _Signature) -> bool:

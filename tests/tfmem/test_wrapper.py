@@ -707,6 +707,79 @@ def _numpy_of_a_product(x):
     return tf.numpy_function(lambda a: a * 2, [x @ x], tf.float32) + 1.0
 
 
+def _kernel_row_sums_through_numpy(x):
+    d = tf.reduce_sum((x[:, None] - x[None]) ** 2, -1)
+    return tf.numpy_function(lambda a: a * 2, [tf.reduce_sum(tf.exp(-d), 1)], tf.float64) + 1.0
+
+
+def test_a_rewrite_xla_cannot_compile_runs_without_xla_as_planned(rng) -> None:
+    """XLA has no kernel for the NumPy call: the program as written cannot run under XLA,
+    and the rewrite neither; the rewrite, planned for the budget, runs in graph mode
+    (it used to fall back to the program as written, which holds every [n, n] matrix)."""
+    x = tf.constant(rng.normal(size=(600, 3)))
+    for strict in (False, True):  # it runs rewritten: nothing for strict to refuse
+        wrapped = tfmem.function(_kernel_row_sums_through_numpy, config=Config(memory_budget="2MiB", strict=strict))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = wrapped(x)
+        (warned,) = _tfmem_warnings(caught)
+        assert "XLA cannot compile the rewritten" in warned and "graph mode, without XLA" in warned, warned
+        report = wrapped.report(x)
+        assert report.status == "rewritten" and report.splits and report.fits, report.summary()
+        assert "runs without XLA, which cannot compile it" in report.summary() and "PyFunc" in report.without_xla
+        np.testing.assert_allclose(got.numpy(), tf.function(_kernel_row_sums_through_numpy)(x).numpy(), rtol=1e-12)
+        with warnings.catch_warnings(record=True) as caught:  # decided once
+            warnings.simplefilter("always")
+            wrapped(x)
+        assert not _tfmem_warnings(caught)
+
+
+def _unbounded_cg_gradient(x, y):
+    """The gradient of 25 conjugate-gradient steps on (K + 200 I) α = y, with no bound on
+    the loop's trips: XLA cannot compile it (its gradient's lists have no fixed size)."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        sq = tf.reduce_sum(x * x, 1)
+        k = tf.exp(-0.5 * (sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True)))
+        a = k + 200.0 * tf.eye(x.shape[0], dtype=x.dtype)
+
+        def step(i, sol, r, p, rr):
+            ap = a @ p
+            alpha = rr / tf.reduce_sum(p * ap)
+            sol, r = sol + alpha * p, r - alpha * ap
+            rr_new = tf.reduce_sum(r * r)
+            return i + 1, sol, r, r + (rr_new / rr) * p, rr_new
+
+        _, sol, *_ = tf.while_loop(lambda i, *_: i < 25, step, (0, tf.zeros_like(y), y, y, tf.reduce_sum(y * y)))
+        loss = tf.reduce_sum(y * sol)
+    return loss, tape.gradient(loss, x)
+
+
+def _unbounded_cg_gradient_under_a_limit(n: int, budget: str) -> dict[str, Any]:
+    rng = np.random.default_rng(11)
+    x, y = tf.constant(rng.normal(size=(n, 3))), tf.constant(rng.normal(size=(n, 2)))
+    wrapped = tfmem.function(_unbounded_cg_gradient, config=Config(memory_budget=budget))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tfmem.TfmemWarning)
+        fits = wrapped.report(x, y).fits
+        loss, grad = wrapped(x, y)
+    return {"fits": fits, "status": wrapped.report(x, y).status, "loss": float(loss),
+            "grad_norm": float(tf.norm(grad))}
+
+
+def test_a_rewrite_xla_cannot_compile_fits_under_a_real_limit_where_the_program_as_written_does_not() -> None:
+    # n=2500: K is 47.7 MiB, and the program as written (graph mode: XLA refuses it) ran out
+    # of memory under 64 MiB after tfmem said its rewrite fits.
+    result = tfmem.run_isolated(_unbounded_cg_gradient_under_a_limit, 2500, "64MiB", memory_limit_mb=64,
+                                timeout=None)
+    assert result.ok, result.error
+    assert result.value["fits"] and result.value["status"] == "rewritten", result.value
+    plain = tfmem.run_isolated(_unbounded_cg_gradient_under_a_limit, 2500, "1GiB", timeout=None)  # no limit
+    assert plain.ok, plain.error
+    assert result.value["loss"] == pytest.approx(plain.value["loss"], rel=1e-9)
+    assert result.value["grad_norm"] == pytest.approx(plain.value["grad_norm"], rel=1e-9)
+
+
 def test_a_budget_report_says_xla_gave_no_plan_where_it_could_not_compile() -> None:
     """Where XLA cannot compile the rewritten program, its plan was asked for and none came:
     the summary says so, not that it was not asked because the estimate fits (fuzz 14: a
