@@ -23,7 +23,8 @@ warning when it does not) — is decided here and nowhere else:
 
 - under XLA, without asking for its plan, `Budget.fits_unchecked`: the static estimate
   times `ESTIMATE_ERROR` (the most XLA's plan exceeded the estimate on the corpus), taken
-  as one block, fits XLA's share beside what the allocator holds and the regions it grew;
+  as one block beside the program's outputs (allocated first, in regions of their own),
+  fits XLA's share beside what the allocator holds and the regions it grew;
 - with XLA's plan (asked for only when the first rule cannot say yes: it costs a
   compilation), `Budget.fits_xla_plan`: the plan fits the budget, beside what the
   allocator holds already, and its block of temporaries finds room in one piece.
@@ -156,9 +157,10 @@ class Budget:
         planning share (`plan_bytes`). A plan that passed `fits_unchecked` passes this too."""
         return estimate_bytes <= self.plan_bytes
 
-    def fits_unchecked(self, estimate_bytes: int, held: Held = NOTHING_HELD) -> bool:
+    def fits_unchecked(self, estimate_bytes: int, held: Held = NOTHING_HELD, output_bytes: int = 0) -> bool:
         """Whether a program estimated at `estimate_bytes` fits with no XLA check: even
-        with XLA planning `ESTIMATE_ERROR` times the estimate, all in one block, beside
+        with XLA planning `ESTIMATE_ERROR` times the estimate, all in one block but the
+        program's outputs (`output_bytes`, allocated first: see `xla_overshoot`), beside
         what the allocator holds (`held`).
 
         This is the rule for skipping XLA's check; with XLA's plan, the rule is
@@ -168,9 +170,12 @@ class Budget:
             >>> budget = Budget(1000, "config")       # XLA's share 950; unchecked 542
             >>> budget.fits_unchecked(500), budget.fits_unchecked(600), budget.fits_unchecked(500, Held(peak=100))
             (True, False, False)
+            >>> budget.fits_unchecked(400), budget.fits_unchecked(400, output_bytes=390)  # regions of 780
+            (True, False)
         """
         planned = int(estimate_bytes * ESTIMATE_ERROR)
-        return self.xla_overshoot(planned, planned, held) <= 1
+        outputs = min(output_bytes, planned)
+        return self.xla_overshoot(planned, planned - outputs, held, other_bytes=outputs) <= 1
 
     @property
     def xla_bytes(self) -> int:

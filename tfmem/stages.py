@@ -287,7 +287,10 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     expanded = xla_expanded_ops(rewritten.graph)
     # The program's own TensorLists (not the split loops', whose stacks the estimate counts).
     lists = ops_in(traced.graph, TENSOR_LIST_OPS)
-    if not (ask_xla or expanded or lists) and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held()):
+    # The outputs are allocated before the block of temporaries, in regions of their own.
+    outputs = sum(rewritten.graph.nbytes(ref) or 0 for ref in rewritten.graph.outputs)
+    if not (ask_xla or expanded or lists) and budget.fits_unchecked(rewritten.memory.peak_bytes, allocator_held(),
+                                                                    outputs):
         note = RewriteRecord("compile_within_budget", "XlaPlan", "info", kind="plan", reason=(
             f"not asked: the estimated peak {format_size(rewritten.memory.peak_bytes)} fits even if XLA plans "
             f"{ESTIMATE_ERROR}× it (the estimate's largest error measured on the corpus) in one block"))

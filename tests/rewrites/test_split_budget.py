@@ -603,6 +603,33 @@ def test_a_plan_far_enough_under_the_budget_compiles_once_without_asking_xla(ker
     np.testing.assert_allclose(kept(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
 
 
+def covariance(x, z):
+    """K(X, X) − 0.01 K(Z, X)ᵀ K(Z, X): the program returns a whole [n, n] matrix."""
+    kzx = tf.exp(-0.5 * tf.reduce_sum((z[:, None] - x[None]) ** 2, -1))
+    kxx = tf.exp(-0.5 * tf.reduce_sum((x[:, None] - x[None]) ** 2, -1))
+    return kxx - 0.01 * tf.matmul(kzx, kzx, transpose_a=True)
+
+
+def test_a_plan_whose_output_takes_half_the_budget_asks_xla_however_small_its_estimate(rng) -> None:
+    # The output is allocated first, in a region of its own that takes up to twice its
+    # size: what is left may hold no block of temporaries at all (fuzz 15: SGPR's full
+    # covariance, a 68.7 MiB output, "fits 140 MiB" unchecked at an estimate of 69 MiB,
+    # ran out of memory allocating a 25.8 MiB block).
+    from tfmem import stages
+
+    args = tf.constant(rng.normal(size=(1000, 3))), tf.constant(rng.normal(size=(50, 3)))
+    traced = tfmem.TfmemFunction(covariance).trace(*args)
+    # Twice the output; small chunks leave the estimate at the output and little more.
+    config = tfmem.Config(memory_budget=2 * 1000 * 1000 * 8, tensor_split_size="256KiB")
+    budget = tfmem.Budget(config.memory_budget, "config")
+    first = traced.rewrite(config, budget=budget)  # the plan compile_within_budget starts from
+    assert budget.fits_unchecked(first.memory.peak_bytes), "the estimate alone would not ask"
+    compiled = stages.compile_within_budget(traced, config, args, {}, budget=budget)
+    assert compiled.checked_plan is not None, "XLA's plan was not asked"
+    assert not any(r.rule == "XlaPlan" and r.reason.startswith("not asked") for r in compiled.rewritten.records)
+    np.testing.assert_allclose(compiled(*args).numpy(), covariance(*args).numpy(), rtol=1e-12, atol=1e-14)
+
+
 def test_a_plan_near_the_budget_asks_xla_and_is_not_split_further_to_avoid_it(kernel_inputs, monkeypatch) -> None:
     from tfmem import stages
     from tfmem.memory import XlaPlan
