@@ -315,7 +315,8 @@ class Config:
         jit_compile: compile the rewritten graph with XLA (and the program as written, where it
             falls back, as stock `tf.function(jit_compile=True)` would).
         strict: raise instead of falling back to the original function when tfmem cannot
-            rewrite, import or run a graph.
+            rewrite, import or run a graph, and instead of warning when the program may
+            not fit its budget.
         verify: on the first call of each signature, run the original and the rewritten
             function and compare their outputs (skipped, with a warning, for functions
             that write variables, and where the original runs out of memory).
