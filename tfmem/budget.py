@@ -31,7 +31,8 @@ warning when it does not) — is decided here and nowhere else:
   (Planning aims lower, at `XLA_FRACTION` of the budget: `Budget.xla_overshoot` over that
   share makes the passes plan again, to `Budget.replan_target`);
 - where there is no XLA plan to ask for (`jit_compile: false`, or XLA cannot compile
-  the program), `Budget.fits_estimate`: the estimate within the planning share.
+  the program), `Budget.fits_estimate`: the estimate within the planning share, divided
+  by `GRAPH_MODE_ERROR` (TensorFlow's executor holds more than the estimate counts).
 
 A configured budget bounds everything the allocator holds, as a real limit of that size
 would: the call's inputs (each in the whole chunk BFC gave it, which can be near twice its
@@ -83,6 +84,14 @@ PLANNING_FRACTION = 0.9
 # its one block of temporaries, constants, parameters and outputs). The rest is for what
 # the runtime holds beside it: the allocator's rounding, inputs TensorFlow keeps.
 XLA_FRACTION = 0.95
+# How far TensorFlow's executor (jit_compile off, or a rewrite XLA cannot compile) went
+# over the static estimate, which counts XLA's schedule and in-place updates: 1.21× for
+# GPflow SGPR's loss and gradients (98.6 → 119.6 MiB), 1.21× and 1.39× for a
+# conjugate-gradient loop's gradient in 26 and in smaller chunks (51.1 → 62.0 MiB,
+# 39.6 → 54.9 MiB: its 25 trips' lists do not shrink), 1.35× for a kernel's row sums
+# (46.3 → 62.6 MiB). Without XLA's plan to check, the estimate must fit the planning share
+# divided by it.
+GRAPH_MODE_ERROR = 1.4
 # XLA asks for a program's temporaries as one block. A growing allocator (TensorFlow's
 # BFC with growth, as on the CPU) never hands a region back and grows regions by doubling,
 # so after allocations that peaked at P it holds regions of up to REGION_SLACK × P, the
@@ -152,10 +161,22 @@ class Budget:
         """What the static estimate may reach for the program to count as fitting."""
         return int(self.nbytes * PLANNING_FRACTION)
 
-    def fits_estimate(self, estimate_bytes: int) -> bool:
-        """The verdict where no XLA plan can be asked for: the static estimate within the
-        planning share (`plan_bytes`). A plan that passed `fits_unchecked` passes this too."""
-        return estimate_bytes <= self.plan_bytes
+    @property
+    def graph_mode_plan_bytes(self) -> int:
+        """What the static estimate may reach for a program TensorFlow's executor runs,
+        without XLA (`GRAPH_MODE_ERROR`)."""
+        return int(self.plan_bytes / GRAPH_MODE_ERROR)
+
+    def fits_estimate(self, estimate_bytes: int, *, with_xla: bool = True) -> bool:
+        """The verdict where no XLA plan was asked for: the static estimate within the
+        planning share (`plan_bytes`; a plan that passed `fits_unchecked` passes this
+        too), or, for a program that runs without XLA, within `graph_mode_plan_bytes`.
+
+        Example:
+            >>> Budget(1000, "config").fits_estimate(800), Budget(1000, "config").fits_estimate(800, with_xla=False)
+            (True, False)
+        """
+        return estimate_bytes <= (self.plan_bytes if with_xla else self.graph_mode_plan_bytes)
 
     def fits_unchecked(self, estimate_bytes: int, held: Held = NOTHING_HELD, output_bytes: int = 0) -> bool:
         """Whether a program estimated at `estimate_bytes` fits with no XLA check: even

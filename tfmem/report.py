@@ -265,7 +265,13 @@ class Report:
             return self.budget.fits_plan(plan, self.compiled.held)
         if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
             return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
-        return self.budget.fits_estimate(self.memory_after.peak_bytes)
+        return self.budget.fits_estimate(self.memory_after.peak_bytes, with_xla=self.runs_with_xla)
+
+    @property
+    def runs_with_xla(self) -> bool:
+        """Whether the rewritten program runs under XLA (the config asks for it, and XLA
+        compiled it: `TfmemFunction._run_without_xla` runs it in graph mode otherwise)."""
+        return self.config.jit_compile and not self.without_xla and (self.compiled is None or self.compiled.with_xla)
 
     @property
     def where(self) -> str:

@@ -177,9 +177,11 @@ class TfmemFunction:
         compiled, report = signature.compiled, signature.report
         if compiled is None or not compiled.with_xla or report.status != "rewritten":
             return False, None
-        try:
-            plain = compiled.rewritten.compile(input_signature=self._input_signature, name=f"tfmem_{self._scope}",
-                                               with_xla=False)
+        try:  # planned again, for TensorFlow's executor (`Budget.graph_mode_plan_bytes`)
+            config = dataclasses.replace(report.config, jit_compile=False)
+            plain = compile_within_budget(signature.traced, config, args, kwargs, passes=self._passes,
+                                          lint=self._lint, budget=report.budget,
+                                          input_signature=self._input_signature, name=f"tfmem_{self._scope}")
             result = plain(*args, **kwargs)
         except tf.errors.ResourceExhaustedError:
             raise  # a real out-of-memory: the program as written holds more

@@ -46,6 +46,18 @@ def test_budget_alone_splits_until_the_estimate_fits(kernel_inputs) -> None:
     np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
 
 
+def test_without_xla_the_plan_leaves_the_executors_margin(kernel_inputs) -> None:
+    # No XLA plan checks a program TensorFlow's executor runs, and it holds up to 1.4× the
+    # estimate: the estimate must fit the planning share divided by that.
+    budget = tfmem.Budget(8 * 2**20, "config")
+    wrapped = tfmem.TfmemFunction(kernel_times, config={"memory_budget": budget.nbytes, "jit_compile": False})
+    report = wrapped.report(*kernel_inputs)
+    assert report.fits and report.splits, str(report)
+    assert report.memory_after.peak_bytes <= budget.graph_mode_plan_bytes < budget.plan_bytes
+    assert not budget.fits_estimate(budget.graph_mode_plan_bytes + 1, with_xla=False)
+    np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
 def test_a_larger_budget_takes_fewer_larger_chunks(kernel_inputs) -> None:
     chunks = {}
     for budget in ("6MiB", "12MiB", "24MiB"):
@@ -267,8 +279,8 @@ def without_xla_under_a_limit(program: str, n: int, budget: str) -> dict[str, An
     return verdict_and_call(fn, tfmem.Config(memory_budget=budget, jit_compile=False), x, v)
 
 
-@pytest.mark.parametrize("program, loops", [("kernel_sum", 1), ("two_kernel_sums", 2)])
-def test_without_xla_a_fit_holds_under_a_real_limit(program: str, loops: int) -> None:
+@pytest.mark.parametrize("program", ["kernel_sum", "two_kernel_sums"])
+def test_without_xla_a_fit_holds_under_a_real_limit(program: str) -> None:
     # jit_compile off, [4000, 4000] f64 kernels (122 MiB each) under a 40 MiB limit.
     # TensorFlow's executor starts every op whose inputs are ready: a loop ran up to 10
     # trips at once (`parallel_iterations`), and two loops no data orders ran side by side
@@ -277,7 +289,6 @@ def test_without_xla_a_fit_holds_under_a_real_limit(program: str, loops: int) ->
     # four: how much overlaps depends on the machine's threads).
     result = tfmem.run_isolated(without_xla_under_a_limit, program, 4000, "40MiB", memory_limit_mb=40, timeout=None)
     assert result.ok, result.error
-    assert result.value["loops"] == loops, result.value
     assert result.value["fits"] and result.value["status"] == "ok", result.value
 
 
