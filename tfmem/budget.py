@@ -426,6 +426,8 @@ class PlanVerdict:
         threshold_dropped: when splitting by `tensor_size_threshold` could not meet the
             target and the plan by the budget alone came out lower, why (naming both
             numbers): the threshold was not honoured, the bound was.
+        split_size_dropped: when a loop holds more than `tensor_split_size` (one slice of
+            its tensor is over it), which: the split size was not honoured, the bound was.
     """
 
     fits: bool
@@ -434,6 +436,7 @@ class PlanVerdict:
     node: str = ""
     reason: str = ""
     threshold_dropped: str = ""
+    split_size_dropped: str = ""
 
 
 def resolve_budget(config: Config, device: str | None = None, *, sharing: int = 1,

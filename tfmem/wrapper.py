@@ -501,6 +501,9 @@ class TfmemFunction:
         threshold gave way to the budget: the user asked for something that was not done,
         though the budget, the promise, holds (so no strict raise for that alone)."""
         verdict = report.verdict
+        if verdict is not None and verdict.split_size_dropped:
+            warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_split_size not honoured within "
+                 f"the memory budget {report.budget}: {verdict.split_size_dropped}")
         if report.fits is not False:
             if verdict is not None and verdict.threshold_dropped:
                 warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_size_threshold not honoured "

@@ -127,7 +127,7 @@ class Planner:
         planner = cls(pass_name, graph, loop_body=loop_body, split_size=split_size)
         verdict = planner._fit(target, threshold, split_size)
         if before is None or verdict.fits:
-            return planner, verdict
+            return planner, planner._with_split_size_check(verdict)
         alone = cls(pass_name, before, loop_body=loop_body, split_size=split_size)
         alone_verdict = alone._fit(target, None, split_size)
         if alone_verdict.peak_bytes >= verdict.peak_bytes:
@@ -138,7 +138,19 @@ class Planner:
         alone.records.insert(0, RewriteRecord(
             pass_name, "MemoryBudget", "info", kind="plan", reason=dropped,
             details={"threshold_peak_bytes": verdict.peak_bytes, "budget_peak_bytes": alone_verdict.peak_bytes}))
-        return alone, dataclasses.replace(alone_verdict, threshold_dropped=dropped)
+        return alone, alone._with_split_size_check(dataclasses.replace(alone_verdict, threshold_dropped=dropped))
+
+    def _with_split_size_check(self, verdict: PlanVerdict) -> PlanVerdict:
+        """`verdict`, saying which loops hold more than the user's `tensor_split_size`:
+        one slice of their tensor is over it, and they take one slice at a time."""
+        over = [loop for loop in self.loops if self.split_size and loop.per_unit * loop.chunk > self.split_size]
+        if not over:
+            return verdict
+        named = ", ".join(dict.fromkeys(f"{loop.region.seed.name} (one slice {format_size(loop.per_unit)})"
+                                        for loop in over))
+        return dataclasses.replace(verdict, split_size_dropped=(
+            f"tensor_split_size {format_size(self.split_size)} is under one slice of {named}: split one slice at "
+            "a time, over it, so that the budget holds"))
 
     def _fit(self, target: int, threshold: int | None, split_size: int | None) -> PlanVerdict:
         """Splits by threshold (if any; else, when over `target`, every tensor surely too
@@ -148,8 +160,10 @@ class Planner:
             self.split_all(threshold, split_size)
         elif estimate_memory(self.graph).peak_bytes > target:
             self.sink_all(target // _SURELY_SPLIT_SHARE, target, split_size)
+            # A slice over the user's split size is split one slice at a time rather than
+            # not at all: the budget holds, and the verdict says the split size did not.
             self.split_all(target // _SURELY_SPLIT_SHARE, min(split_size or target, target // _FIRST_BODY_SHARE),
-                           slice_limit=0 if split_size else target // _SURELY_SPLIT_SHARE)
+                           slice_limit=target // _SURELY_SPLIT_SHARE)
         return self.fit_budget(target, split_size)
 
     def __init__(self, pass_name: str, graph: Graph, *, loop_body: bool = False,
@@ -329,7 +343,7 @@ class Planner:
             # plan: the loop is kept only if the peak it leaves is lower.
             region, reason = best_region(graph, seed, live.nbytes - 1, chunk_budget,
                                          assemble_returned=self.assemble_returned,
-                                         slice_limit=0 if split_size else plan // _SURELY_SPLIT_SHARE)
+                                         slice_limit=plan // _SURELY_SPLIT_SHARE)
             if region is None:
                 self._reject(seed, reason)
                 continue

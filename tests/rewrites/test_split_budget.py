@@ -46,6 +46,19 @@ def test_budget_alone_splits_until_the_estimate_fits(kernel_inputs) -> None:
     np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
 
 
+def test_a_split_size_under_one_slice_splits_a_slice_at_a_time_and_says_so(kernel_inputs) -> None:
+    # One row of the [1500, 1500] kernel is 11.7 KiB, over a 4 KiB split size: nothing was
+    # split, and a program the budget alone fits said "does NOT fit" and ran out of memory
+    # (fuzz 15). The budget holds; the warning names the split size it could not honour.
+    config = {"memory_budget": "24MiB", "tensor_split_size": "4KiB", "strict": True}
+    wrapped = tfmem.TfmemFunction(kernel_times, config=config)
+    with pytest.warns(tfmem.TfmemWarning, match="tensor_split_size not honoured.*4.0 KiB is under one slice"):
+        report = wrapped.report(*kernel_inputs)
+    assert report.fits and report.splits, str(report)
+    assert all(r.details["chunk"] == 1 for r in report.splits), [r.details for r in report.splits]
+    np.testing.assert_allclose(wrapped(*kernel_inputs).numpy(), kernel_times(*kernel_inputs).numpy(), rtol=1e-10)
+
+
 def test_without_xla_the_plan_leaves_the_executors_margin(kernel_inputs) -> None:
     # No XLA plan checks a program TensorFlow's executor runs, and it holds up to 1.4× the
     # estimate: the estimate must fit the planning share divided by that.
