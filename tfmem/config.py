@@ -320,7 +320,9 @@ class Config:
         verify: on the first call of each signature, run the original and the rewritten
             function and compare their outputs (skipped, with a warning, for functions
             that write variables, and where the original runs out of memory).
-        verify_rtol, verify_atol: tolerances of that comparison.
+        verify_rtol, verify_atol: tolerances of that comparison: each element within
+            `atol` + `rtol` × the output's largest magnitude, `rtol` at least 100
+            epsilons of the output's dtype.
         plan_cache: a directory where each signature's plan (the rewritten graph, the
             verdict, XLA's checked plan) is kept, so that a later process running the
             same program under the same config skips rewriting and XLA's check

@@ -569,6 +569,25 @@ def test_verify_where_the_program_as_written_runs_out_of_memory_returns_the_rewr
                for w in result.value["warnings"]), result.value
 
 
+def _nearest_distances(x, y):
+    d2 = tf.reduce_sum(tf.square(x[:, None, :] - y[None, :, :]), axis=-1)
+    return -tf.math.top_k(-d2, k=4).values
+
+
+def test_verify_accepts_a_float32_rewrite_within_float32_rounding(rng) -> None:
+    # The expanded distances ‖x‖² + ‖y‖² − 2xyᵀ differ from the naive ones by float32's
+    # rounding of the norms (5.8e-6 near zero, fuzz 15): the default 1e-6 elementwise
+    # tolerance called that a failure and ran the unsplit program instead.
+    x = tf.constant(rng.normal(size=(300, 8)).astype(np.float32))
+    y = tf.concat([x[:50], tf.constant(rng.normal(size=(350, 8)).astype(np.float32))], 0)  # distances of 0
+    wrapped = tfmem.function(_nearest_distances, config=Config(memory_budget="1MiB", verify=True, strict=True))
+    got = wrapped(x, y)
+    assert wrapped.report(x, y).status == "rewritten"
+    want = tf.function(_nearest_distances, jit_compile=True)(x, y)
+    assert not np.allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)  # what the old check asked
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4 * float(np.max(want.numpy())))
+
+
 def test_a_fallback_says_its_budget_was_planned_for_the_rewritten_program() -> None:
     """A budget verdict comes before the run; when the rewrite is dropped after it, the fallback's
     warning says the verdict was the rewritten program's, and what the program as written needs."""
