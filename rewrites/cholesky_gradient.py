@@ -79,10 +79,19 @@ def _diagonal_block_gradient(d: tf.Tensor, dbar: tf.Tensor) -> tf.Tensor:
     return _phi(_tr(tf.linalg.triangular_solve(d, _tr(x), lower=True, adjoint=True)))
 
 
-def block_for(rows: int) -> int:
+def block_for(rows: int, split_size: int | None = None, itemsize: int = 8) -> int:
     """Rows per block for an `[rows, rows]` factor: `BLOCK_ROWS`, or fewer so that there are
-    at least `MIN_BLOCKS` blocks."""
-    return max(1, min(BLOCK_ROWS, -(-rows // MIN_BLOCKS)))
+    at least `MIN_BLOCKS` blocks, and so that a `[block, rows]` panel stays within the
+    user's `split_size` (`tensor_split_size`; at least one row).
+
+    Example:
+        >>> block_for(2000), block_for(2000, split_size=2 * 2**20)
+        (250, 131)
+    """
+    block = min(BLOCK_ROWS, -(-rows // MIN_BLOCKS))
+    if split_size is not None:
+        block = min(block, split_size // max(1, rows * itemsize))
+    return max(1, block)
 
 
 def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int | None = None) -> tf.Tensor:
@@ -218,7 +227,7 @@ class LeanCholeskyGradient(RewriteRule):
         0
     """
 
-    reads = frozenset({"jit_compile"})  # in place only under XLA
+    reads = frozenset({"jit_compile", "tensor_split_size", "tensor_size_threshold"})  # XLA; panel sizes
     # XLA schedules around the loops differently: GPflow's GPR gradient at n=4,700 under 512 MiB
     # plans 401.5 MiB with them against 527.1 MiB without, but VGP (Linear kernel, N=2,000)
     # 187.2 MiB against 179.3 MiB. Only XLA's plan tells, so under a budget the rule is tried
@@ -268,12 +277,17 @@ class LeanCholeskyGradient(RewriteRule):
         if spec.shape[-1] < self.min_rows:
             return f"{spec.shape[-1]} rows, fewer than {self.min_rows}: too little to save"
         n = int(spec.shape[-1])
-        match.state["details"] = {"blocks": -(-n // block_for(n)), "block_rows": block_for(n),
+        block = block_for(n, config.split_size, spec.dtype.size)
+        match.state["block"] = block
+        match.state["details"] = {"blocks": -(-n // block), "block_rows": block, "chunk_bytes": block * n * spec.dtype.size,
                                   "matrix_bytes": graph.nbytes(factor) or 0}
         return None
 
     def apply(self, graph: Graph, match: Match) -> dict[TensorRef, TensorRef]:
-        (result,) = graph.splice(cholesky_gradient_in_place, [match["factor"], match["grad"]], scope=self.name)
+        def lean(factor: tf.Tensor, grad: tf.Tensor) -> tf.Tensor:
+            return cholesky_gradient_in_place(factor, grad, block=match.state.get("block"))
+
+        (result,) = graph.splice(lean, [match["factor"], match["grad"]], scope=self.name)
         return {match.root: result}
 
 

@@ -87,10 +87,21 @@ def test_the_rule_replaces_tensorflows_gradient_and_the_program_equals_stock(rng
     a, w = spd(rng, (), 64), tf.constant(rng.normal(size=(64, 64)))
     rewritten = rewrite(cholesky_gradient, a, w)
     (fired,) = records(rewritten, "fired")
-    assert fired.details == {"blocks": 8, "block_rows": 8, "matrix_bytes": 64 * 64 * 8}
+    assert fired.details == {"blocks": 8, "block_rows": 8, "chunk_bytes": 8 * 64 * 8, "matrix_bytes": 64 * 64 * 8}
     ops = rewritten.graph.op_counts()
     assert "MatrixSetDiagV3" not in ops and "Transpose" not in ops  # TensorFlow's rule is gone
     assert_close(rewritten.compile()(a, w), tf.function(cholesky_gradient, jit_compile=True)(a, w), tf.float64)
+
+
+def test_the_users_split_size_bounds_the_loops_panels(rng: np.random.Generator) -> None:
+    # A [block, n] panel is what the loop's body holds: with tensor_split_size it holds no
+    # more than that (fuzz 15: 250-row panels of 3.8 MiB against a 2 MiB split size).
+    a, w = spd(rng, (), 64), tf.constant(rng.normal(size=(64, 64)))
+    rewritten = rewrite(cholesky_gradient, a, w, tensor_size_threshold=10**9, tensor_split_size=3 * 64 * 8)
+    (fired,) = records(rewritten, "fired")
+    assert fired.details["block_rows"] == 3 and fired.details["chunk_bytes"] <= 3 * 64 * 8, fired.details
+    assert_close(rewritten.compile()(a, w), tf.function(cholesky_gradient, jit_compile=True)(a, w), tf.float64)
+    assert block_for(2000, split_size=2 * 2**20) * 2000 * 8 <= 2 * 2**20 and block_for(2000, split_size=1) == 1
 
 
 def test_the_rule_is_held_back_from_a_call_without_a_budget(rng: np.random.Generator) -> None:
