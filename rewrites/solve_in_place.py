@@ -69,11 +69,13 @@ MIN_BLOCKS = 8
 MIN_ROWS = 512
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class SolveRegion:
-    """One `MatrixTriangularSolve` node."""
+    """One `MatrixTriangularSolve` node; `block`, the rows per block `check` chose for it
+    (0 until then)."""
 
     solve: str
+    block: int = 0
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -139,7 +141,8 @@ class SolveInPlace(RegionRule[SolveRegion]):
     name = "solve_in_place"
     rule = "SolveInPlace"
     stage = "split"
-    reads = frozenset({"jit_compile"})  # the in-place loop is XLA's; TF's kernel has no second buffer
+    # The in-place loop is XLA's (TF's kernel has no second buffer); blocks honour the split size.
+    reads = frozenset({"jit_compile", "tensor_split_size", "tensor_size_threshold"})
     # XLA schedules the loops differently from its own solves: in GPflow's SGPR gradient at
     # M=4,000 (N=20,000) a split loop then overlaps the Cholesky gradient, and XLA plans
     # 722.0 MiB against 559.7 without (measured), while GPR's n=4,300 drops from 564.8 to 441.5.
@@ -152,10 +155,14 @@ class SolveInPlace(RegionRule[SolveRegion]):
         self.block_rows = block_rows
         self.min_rows = min_rows
 
-    def block_for(self, rows: int) -> int:
+    def block_for(self, rows: int, row_bytes: int = 0, split_size: int | None = None) -> int:
         """Rows per block for a solve of `rows` rows: `block_rows`, or fewer so that there are
-        at least `MIN_BLOCKS` blocks (the block temporaries stay small beside the result)."""
-        return max(1, min(self.block_rows, -(-rows // MIN_BLOCKS)))
+        at least `MIN_BLOCKS` blocks (the block temporaries stay small beside the result),
+        and so that a block of rows (`row_bytes` each) stays within the user's `split_size`."""
+        block = min(self.block_rows, -(-rows // MIN_BLOCKS))
+        if split_size is not None and row_bytes:
+            block = min(block, split_size // row_bytes)
+        return max(1, block)
 
     def find(self, graph: Graph) -> Iterator[SolveRegion]:
         for node in list(graph.find("MatrixTriangularSolve")):
@@ -184,13 +191,14 @@ class SolveInPlace(RegionRule[SolveRegion]):
         if m < self.block_for(n):
             return (f"the right-hand side has {m} columns, fewer than a block's {self.block_for(n)} rows: "
                     "too little to save")
+        region.block = self.block_for(n, m * rhs.dtype.size, config.split_size)
         return None
 
     def emit(self, graph: Graph, region: SolveRegion) -> Emitted | str:
         node = graph.node(region.solve)
         lower, adjoint = bool(node.attr["lower"].b), bool(node.attr["adjoint"].b)
         factor, rhs = graph.inputs(region.solve)[:2]
-        block = self.block_for(graph.spec(rhs).shape[-2])
+        block = region.block or self.block_for(graph.spec(rhs).shape[-2])
         (result,) = graph.splice(
             lambda l, b: substitute_in_place(l, b, lower=lower, adjoint=adjoint, block=block), [factor, rhs],
             scope=self.name)
@@ -198,7 +206,9 @@ class SolveInPlace(RegionRule[SolveRegion]):
             return f"internal: the loop's result has shape {graph.spec(result).shape}"
         graph.replace_all_uses(TensorRef(region.solve), result)
         n = graph.spec(rhs).shape[-2]
-        details = {"blocks": -(-n // block), "block_rows": block, "rhs_bytes": graph.nbytes(rhs) or 0}
+        details = {"blocks": -(-n // block), "block_rows": block,
+                   "chunk_bytes": block * graph.spec(rhs).shape[-1] * graph.spec(rhs).dtype.size,
+                   "rhs_bytes": graph.nbytes(rhs) or 0}
         return Emitted(details, (result.node,))
 
 

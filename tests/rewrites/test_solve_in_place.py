@@ -145,6 +145,20 @@ def test_a_solve_under_min_rows_is_no_candidate() -> None:
     assert whole_solves(rewritten.graph, (7, 5)) == 1
 
 
+def test_the_users_split_size_bounds_the_blocks() -> None:
+    # A block of rows of the right-hand side is what the loop's body holds.
+    rng = np.random.default_rng(5)
+    l, b = triangular(rng, (), 64, True, tf.float64), tf.constant(rng.normal(size=(64, 40)))
+    rule = SolveInPlace(block_rows=16, min_rows=32)
+    plain = rewrite(lambda l, b: tf.linalg.triangular_solve(l, b), rule, l, b)
+    assert records(plain, "fired")[0].details["block_rows"] == 8  # at least MIN_BLOCKS blocks
+    bounded = rewrite(lambda l, b: tf.linalg.triangular_solve(l, b), rule, l, b,
+                      tensor_size_threshold=10**9, tensor_split_size=3 * 40 * 8)
+    (fired,) = records(bounded, "fired")
+    assert fired.details["block_rows"] == 3 and fired.details["chunk_bytes"] == 3 * 40 * 8, fired.details
+    assert_close(bounded.compile()(l, b), tf.linalg.triangular_solve(l, b), tf.float64)
+
+
 def test_without_xla_tensorflows_own_solve_stays() -> None:
     rng = np.random.default_rng(3)
     l, b = triangular(rng, (), 9, True, tf.float64), tf.constant(rng.normal(size=(9, 5)))
