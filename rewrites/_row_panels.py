@@ -20,6 +20,23 @@ import dataclasses
 import tensorflow as tf
 
 Offset = "tf.Tensor | int"
+# At least this many panels per matrix: a loop step holds a few panels beside the matrix.
+MIN_BLOCKS = 8
+
+
+def panel_rows(rows: int, most: int, row_bytes: int = 0, split_size: int | None = None) -> int:
+    """Rows per panel of a matrix of `rows` rows: at most `most`, few enough for
+    `MIN_BLOCKS` panels, and, with the user's `split_size` (`tensor_split_size`), a panel
+    of rows of `row_bytes` each within it; at least one row.
+
+    Example:
+        >>> panel_rows(2000, 256), panel_rows(2000, 256, row_bytes=2000 * 8, split_size=2 * 2**20)
+        (250, 131)
+    """
+    block = min(most, -(-rows // MIN_BLOCKS))
+    if split_size is not None and row_bytes:
+        block = min(block, split_size // row_bytes)
+    return max(1, block)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,16 +49,14 @@ import numpy as np
 import tensorflow as tf
 
 from rewrites._chain_algebra import PRODUCT_FLAGS
-from rewrites._row_panels import RowPanels
+from rewrites._row_panels import RowPanels, panel_rows
 from rewrites.solve_not_invert import SOLVE_DTYPES, identity_reason
 from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
 from tfmem.pattern import Match, OpBuilder, PatternNode, RewriteRule
 
-# Rows per block, at most, and at least this many blocks (as `SolveInPlace`): a loop step
-# holds a few [b, n] panels beside the matrix.
+# Rows per block, at most (as `SolveInPlace`), and at least `_row_panels.MIN_BLOCKS` blocks.
 BLOCK_ROWS = 256
-MIN_BLOCKS = 8
 # Smaller gradients stay TensorFlow's: the matrices saved are small, the loops cost a compile.
 MIN_ROWS = 512
 
@@ -80,18 +78,14 @@ def _diagonal_block_gradient(d: tf.Tensor, dbar: tf.Tensor) -> tf.Tensor:
 
 
 def block_for(rows: int, split_size: int | None = None, itemsize: int = 8) -> int:
-    """Rows per block for an `[rows, rows]` factor: `BLOCK_ROWS`, or fewer so that there are
-    at least `MIN_BLOCKS` blocks, and so that a `[block, rows]` panel stays within the
-    user's `split_size` (`tensor_split_size`; at least one row).
+    """Rows per block for an `[rows, rows]` factor (`panel_rows`, at most `BLOCK_ROWS`): a
+    `[block, rows]` panel stays within the user's `split_size` (`tensor_split_size`).
 
     Example:
         >>> block_for(2000), block_for(2000, split_size=2 * 2**20)
         (250, 131)
     """
-    block = min(BLOCK_ROWS, -(-rows // MIN_BLOCKS))
-    if split_size is not None:
-        block = min(block, split_size // max(1, rows * itemsize))
-    return max(1, block)
+    return panel_rows(rows, BLOCK_ROWS, rows * itemsize, split_size)
 
 
 def cholesky_gradient_in_place(factor: tf.Tensor, grad: tf.Tensor, *, block: int | None = None) -> tf.Tensor:

@@ -31,8 +31,9 @@ Conditions (rejections carry these reasons):
     * compiled by XLA (`jit_compile`): TensorFlow's own kernel writes its result once;
     * float32 or float64, static shapes, the factor's batch dimensions equal the
       right-hand side's;
-    * at least a block's width of columns (blocks of `BLOCK_ROWS` rows, or n/`MIN_BLOCKS`
-      when that is fewer): a narrow right-hand side saves too little to pay for a loop.
+    * at least a block's width of columns (blocks of `BLOCK_ROWS` rows, or
+      n/`_row_panels.MIN_BLOCKS` when that is fewer): a narrow right-hand side saves too
+      little to pay for a loop.
       Solves of fewer than `MIN_ROWS` rows are no candidates at all (no record each).
 
 Example:
@@ -53,7 +54,7 @@ from tfmem.config import Config
 from tfmem.graph import Graph, TensorRef
 from tfmem.pattern import Emitted, RegionRule
 
-from rewrites._row_panels import RowPanels
+from rewrites._row_panels import RowPanels, panel_rows
 from rewrites.split.loops import in_split_loop
 
 SOLVE_DTYPES = frozenset({tf.float32, tf.float64})
@@ -64,7 +65,6 @@ SOLVE_DTYPES = frozenset({tf.float32, tf.float64})
 # fast as XLA's own solve at n=2,048 and 4,096, 128 rows 1.2× slower; at n=1,000, n/8
 # (125) rows run 1.08× XLA's time.
 BLOCK_ROWS = 256
-MIN_BLOCKS = 8
 # Smaller solves stay as they are: the one buffer saved is small, the loop costs a compile.
 MIN_ROWS = 512
 
@@ -156,13 +156,10 @@ class SolveInPlace(RegionRule[SolveRegion]):
         self.min_rows = min_rows
 
     def block_for(self, rows: int, row_bytes: int = 0, split_size: int | None = None) -> int:
-        """Rows per block for a solve of `rows` rows: `block_rows`, or fewer so that there are
-        at least `MIN_BLOCKS` blocks (the block temporaries stay small beside the result),
-        and so that a block of rows (`row_bytes` each) stays within the user's `split_size`."""
-        block = min(self.block_rows, -(-rows // MIN_BLOCKS))
-        if split_size is not None and row_bytes:
-            block = min(block, split_size // row_bytes)
-        return max(1, block)
+        """Rows per block for a solve of `rows` rows (`panel_rows`, at most `block_rows`: the
+        block temporaries stay small beside the result), a block of rows (`row_bytes`
+        each) within the user's `split_size`."""
+        return panel_rows(rows, self.block_rows, row_bytes, split_size)
 
     def find(self, graph: Graph) -> Iterator[SolveRegion]:
         for node in list(graph.find("MatrixTriangularSolve")):
