@@ -25,8 +25,8 @@ from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.framework import function as function_lib
 
 from tfmem.graph import Graph, TensorRef, is_stateful, rename_functions
-from tfmem.host_folding import LARGE_TENSOR_BYTES, leave_large_constants_to_xla
-from tfmem.memory import RESIDENT_OPS, WHILE_LOOP_OPS, estimate_memory, schedule
+from tfmem.executor_order import heavy_ops_in_turn
+from tfmem.host_folding import leave_large_constants_to_xla
 
 # Stateful ops that only read or check: recomputing them (e.g. in a backward pass) is harmless.
 # CheckNumerics and Assert only raise (GPflow's GPR predict_f holds a CheckNumerics): counted as
@@ -131,42 +131,6 @@ def _has_side_effects(graph_def: graph_pb2.GraphDef) -> bool:
     for function in graph_def.library.function:
         nodes.extend(function.node_def)
     return any(is_stateful(n) and n.op not in _READ_ONLY_STATEFUL_OPS for n in nodes)
-
-
-def heavy_ops_in_turn(graph: Graph) -> Graph:
-    """A copy of `graph` whose loops, and ops that make large tensors, wait on each other
-    in the order of the static estimate's schedule (`graph` itself where there are fewer
-    than two).
-
-    XLA runs a program one op at a time, in one order; TensorFlow's executor (jit_compile
-    off) starts every op whose inputs are ready, so two loops no data orders run side by
-    side, and a loop beside the last chunk another computes after its trips, each holding
-    its chunks where the estimate counts one at a time (the [4000, 4000] kernels of two
-    inputs, split in two loops under a 40 MiB limit, ran out of memory together in two
-    runs of four). A control edge from each such op to the next keeps the estimate's
-    order; an op that needs another's result is after it in that order already. Large:
-    at least a 64th of the estimated peak, and at least `LARGE_TENSOR_BYTES`.
-
-    Example:
-        >>> def two_loops(x, y):
-        ...     a = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2.0), (0, x))[1]
-        ...     b = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v + 1.0), (0, y))[1]
-        ...     return a + b
-        >>> cf = tf.function(two_loops, autograph=False).get_concrete_function(tf.ones([3]), tf.ones([3]))
-        >>> ordered = heavy_ops_in_turn(capture(cf).to_graph())
-        >>> sorted((node.name, ordered.control_inputs(node.name)) for node in ordered.find(WHILE_LOOP_OPS))
-        [('while', []), ('while_1', ['while'])]
-    """
-    large = max(LARGE_TENSOR_BYTES, estimate_memory(graph).peak_bytes // 64)
-    heavy = {node.name for node in graph.nodes if node.op in WHILE_LOOP_OPS or node.op not in RESIDENT_OPS and any(
-        (graph.nbytes(TensorRef(node.name, index)) or 0) >= large for index in range(len(graph.output_specs(node.name))))}
-    if len(heavy) < 2:
-        return graph
-    ordered = graph.copy()
-    in_order = [name for name in schedule(graph) if name in heavy]
-    for before, after in zip(in_order, in_order[1:]):
-        ordered.add_control_input(after, before)
-    return ordered
 
 
 def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile: bool,

@@ -95,6 +95,7 @@ class MemoryEstimate:
         live_at_peak: the buffers alive there, largest first.
         unknown: tensors whose size is not static (counted as 0 bytes).
         nested_peak_bytes: at the peak node, the extra bytes its function bodies need.
+        steps: each node's `(live, nested)` bytes (`at`), in the order the schedule runs them.
     """
 
     peak_bytes: int
@@ -153,11 +154,6 @@ def estimate_memory(graph: Graph | graph_pb2.GraphDef, *, outputs: Any = ()) -> 
     if not isinstance(graph, Graph):
         graph = Graph(graph, outputs=outputs)
     return _Estimator(graph).run()
-
-
-def schedule(graph: Graph) -> list[str]:
-    """The order in which `estimate_memory` runs `graph`'s nodes (see `_Estimator._schedule`)."""
-    return _Estimator(graph)._schedule()
 
 
 def _returned_source(body: Any, producers: Mapping[str, Any], index: int, through: frozenset[str]) -> str:

@@ -271,7 +271,7 @@ class Report:
     def runs_with_xla(self) -> bool:
         """Whether the rewritten program runs under XLA (the config asks for it, and XLA
         compiled it: `TfmemFunction._run_without_xla` runs it in graph mode otherwise)."""
-        return self.config.jit_compile and not self.without_xla and (self.compiled is None or self.compiled.with_xla)
+        return self.compiled.with_xla if self.compiled is not None else self.config.jit_compile
 
     @property
     def where(self) -> str:

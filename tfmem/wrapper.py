@@ -169,7 +169,7 @@ class TfmemFunction:
         ran, and its result.
 
         Its plan holds there too (TensorFlow's executor keeps the estimate's order:
-        `capture.heavy_ops_in_turn`), where the program as written, which XLA refuses
+        `executor_order.heavy_ops_in_turn`), where the program as written, which XLA refuses
         just as well (a loop's gradient with no bound on its trips), holds every
         whole matrix. Not for a rewrite that changed nothing, nor where it fails in graph
         mode too: then the caller falls back to the program as written.

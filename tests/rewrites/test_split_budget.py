@@ -306,21 +306,22 @@ def test_without_xla_a_fit_holds_under_a_real_limit(program: str) -> None:
 
 
 def test_without_xla_loops_and_large_ops_run_in_the_estimates_order(rng: np.random.Generator) -> None:
-    from tfmem.capture import heavy_ops_in_turn
-    from tfmem.memory import WHILE_LOOP_OPS, schedule
+    from tfmem.executor_order import heavy_ops_in_turn
+    from tfmem.memory import WHILE_LOOP_OPS
 
     x, v = tf.constant(rng.normal(size=(600, 4))), tf.constant(rng.normal(size=(500, 4)))  # two loops, not one
     config = tfmem.Config(memory_budget="2MiB", jit_compile=False, strict=True)
     rewritten = tfmem.TfmemFunction(two_kernel_sums).trace(x, v).rewrite(config)
     graph = rewritten.graph
-    loops = [name for name in schedule(graph) if graph.node(name).op in WHILE_LOOP_OPS]
+    schedule = list(estimate_memory(graph).steps)  # the estimate's order
+    loops = [name for name in schedule if graph.node(name).op in WHILE_LOOP_OPS]
     assert len(loops) == 2 and loops[0] not in graph.ancestors(loops[1])
     ordered = heavy_ops_in_turn(graph)
     assert loops[0] in ordered.ancestors(loops[1])
     assert loops[0] not in graph.ancestors(loops[1])  # a copy: the plan itself is left as it was
     # Each op waits on the one before it in the estimate's order, and on nothing else new.
     added = {name: set(ordered.control_inputs(name)) - set(graph.control_inputs(name)) for name in (node.name for node in graph.nodes)}
-    chained = [name for name in schedule(graph) if added[name] or any(name in a for a in added.values())]
+    chained = [name for name in schedule if added[name] or any(name in a for a in added.values())]
     assert all(added[after] == {before} for before, after in zip(chained, chained[1:])), added
     assert not added[chained[0]] and set(loops) <= set(chained)
     small = tf.constant(rng.normal(size=(20, 4)))
