@@ -14,6 +14,7 @@ Run:
     python -m benchmarks.corpus.run --ci                    # only the programs the CI test runs
     python -m benchmarks.corpus.run --only kxx_expanded_matmul,knn_cosine --out /tmp/corpus
     python -m benchmarks.corpus.run --modes budget,expert   # + the expert-threshold diagnostic
+    python -m benchmarks.corpus.run --modes graph           # without XLA (`jit_compile: false`)
 """
 from __future__ import annotations
 
@@ -269,8 +270,9 @@ def write_report(data: dict[str, Any], path: str) -> None:
         "VIOLATION = the report claimed to fit and the run ran out of memory.",
     ]
     for mode in data["modes"]:
-        title = "budget only" if mode == "budget" else \
-            "expert override (diagnostic: `tensor_size_threshold = budget / 16` as well)"
+        title = {"budget": "budget only",
+                 "expert": "expert override (diagnostic: `tensor_size_threshold = budget / 16` as well)",
+                 "graph": "without XLA (`jit_compile: false` as well: TensorFlow's executor runs the plan)"}[mode]
         lines += ["", f"## tfmem {title}", "",
                   "| program | budget | stock planned | stock real | tfmem | estimate | fits? | real peak | "
                   "real / estimate | rel err (budget) | rel err (tight) |",
@@ -289,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated program names")
     parser.add_argument("--ci", action="store_true", help="only the programs of the CI corpus test")
-    parser.add_argument("--modes", default="budget", help="budget and/or expert (a diagnostic), comma-separated")
+    parser.add_argument("--modes", default="budget", help="budget, expert (a diagnostic) and/or graph (without XLA), comma-separated")
     parser.add_argument("--no-stock", action="store_true", help="skip the real stock run at the big size")
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds per isolated process before it is stopped and reported as a timeout")

@@ -12,6 +12,7 @@ program's budget; each step catches its own failure, so one process reports ever
 tfmem's config is `Config(memory_budget=<budget>)` and nothing else. `mode="expert"` adds
 `tensor_size_threshold = budget / 16`, the expert override that today's engine needs;
 it is a diagnostic of the split engine, never what the acceptance test runs.
+`mode="graph"` adds `jit_compile: false`: the plan runs on TensorFlow's executor, without XLA.
 
 Example:
     >>> result = tfmem.run_isolated("benchmarks.corpus.trial:tfmem_trial", "kxx_expanded_matmul",
@@ -36,7 +37,7 @@ from tfmem.isolation import classify_error
 
 from benchmarks.corpus.programs import PROGRAMS, Program
 
-MODES = ("budget", "expert")
+MODES = ("budget", "expert", "graph")
 _ERROR_CHARS = 1500
 
 
@@ -46,6 +47,8 @@ def tfmem_config(budget: int, mode: str = "budget") -> tfmem.Config:
         return tfmem.Config(memory_budget=budget)
     if mode == "expert":
         return tfmem.Config(memory_budget=budget, tensor_size_threshold=budget // 16)
+    if mode == "graph":  # without XLA: TensorFlow's executor runs the plan
+        return tfmem.Config(memory_budget=budget, jit_compile=False)
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
