@@ -25,7 +25,7 @@ from tensorflow.core.framework import function_pb2, graph_pb2
 from tensorflow.python.framework import function as function_lib
 
 from tfmem.graph import Graph, TensorRef, is_stateful, rename_functions
-from tfmem.executor_order import heavy_ops_in_turn
+from tfmem.executor_order import GraphModeFunction, heavy_ops_in_turn
 from tfmem.host_folding import leave_large_constants_to_xla
 
 # Stateful ops that only read or check: recomputing them (e.g. in a backward pass) is harmless.
@@ -200,8 +200,8 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
     # for `fn(x, z, temp)` gave `temp` the original's `z` (a wrong result, silently).
     body.__signature__ = traced_signature(captured.concrete.function_type)  # type: ignore[attr-defined]
     body.library = library  # type: ignore[attr-defined]  # registered while the tf.function (holding body) lives
-    return tf.function(body, jit_compile=jit_compile, input_signature=input_signature,
-                       autograph=False)
+    function = tf.function(body, jit_compile=jit_compile, input_signature=input_signature, autograph=False)
+    return function if jit_compile else GraphModeFunction(function)
 
 
 def traced_signature(function_type: Any) -> inspect.Signature:

@@ -642,6 +642,22 @@ class Graph:
         self._changed(name)
         return True
 
+    def add_control_input_in_function(self, function: str, name: str, producer: str) -> bool:
+        """Makes node `name` of library function `function` wait on its node `producer`.
+        Returns whether the edge is new.
+
+        Raises:
+            GraphError: if the library has no such function, or it no such node.
+        """
+        fdef = self.function(function)
+        nodes = {node.name: node for node in fdef.node_def} if fdef is not None else {}
+        if name not in nodes or producer not in nodes:
+            raise GraphError(f"no node {name!r} and {producer!r} in library function {function!r}")
+        if f"^{producer}" in nodes[name].input:
+            return False
+        nodes[name].input.append(f"^{producer}")
+        return True
+
     def remove_control_input(self, name: str, producer: str) -> bool:
         """Drops the control edge `^producer` from node `name`. Returns whether it was there."""
         node = self.node(name)

@@ -347,19 +347,8 @@ class _Estimator:
 
     def _nested_bytes(self, name: str) -> int:
         """Peak bytes of the functions a node calls, beyond the arguments it passes them."""
-        node = self.graph.node(name)
-        called: list[tuple[str, int, bool]] = []
-        if self.graph.function(node.op) is not None:
-            called.append((node.op, 0, False))
-        for attr, first_arg in _FUNCTION_ATTRS.items():
-            if attr not in node.attr:
-                continue
-            value = node.attr[attr]
-            if value.HasField("func"):
-                called.append((value.func.name, first_arg, attr == "body" and node.op in WHILE_LOOP_OPS))
-            called.extend((f.name, first_arg, False) for f in value.list.func)
-        return max((self._function_bytes(fn, self.graph.inputs(name)[first:], loop_body=body)
-                    for fn, first, body in called), default=0)
+        return max((self._function_bytes(call.function, call.args, loop_body=call.loop_body)
+                    for call in function_calls(self.graph, name)), default=0)
 
     def _function_bytes(self, function_name: str, args: list[TensorRef], *, loop_body: bool = False) -> int:
         shapes = tuple(tuple(self.graph.spec(a).shape.as_list()) if self.graph.spec(a).shape.rank
@@ -368,8 +357,7 @@ class _Estimator:
         if key not in self._function_cache:
             self._function_cache[key] = (0, ())  # guards against recursion
             try:
-                body = function_graph(self.graph, function_name, [self.graph.spec(a).shape for a in args],
-                                      list_element_shapes(self.graph, args))
+                body = FunctionCall(function_name, args).graph(self.graph)
                 inner = _Estimator(body, loop_body=loop_body)
                 estimate = inner.run()
                 arg_bytes = sum(inner._bytes(TensorRef(n.name)) for n in body.find("Placeholder"))
@@ -380,6 +368,36 @@ class _Estimator:
         nbytes, unknown = self._function_cache[key]
         self.unknown.extend(unknown)
         return nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionCall:
+    """A library function a node calls: its name, the node's inputs passed as its arguments,
+    and whether it is a `While` loop's body."""
+
+    function: str
+    args: list[TensorRef]
+    loop_body: bool = False
+
+    def graph(self, caller: Graph) -> Graph:
+        """The function as a Graph of its own, shaped by this call's arguments (`function_graph`)."""
+        return function_graph(caller, self.function, [caller.spec(a).shape for a in self.args],
+                              list_element_shapes(caller, self.args))
+
+
+def function_calls(graph: Graph, name: str) -> list[FunctionCall]:
+    """The library functions node `name` calls: a function called as an op, and those named
+    by its function attrs (a loop's body and cond, a branch, a `PartitionedCall`'s `f`)."""
+    node, inputs = graph.node(name), graph.inputs(name)
+    calls = [FunctionCall(node.op, inputs)] if graph.function(node.op) is not None else []
+    for attr, first_arg in _FUNCTION_ATTRS.items():
+        if attr not in node.attr:
+            continue
+        value = node.attr[attr]
+        if value.HasField("func"):
+            calls.append(FunctionCall(value.func.name, inputs[first_arg:], attr == "body" and node.op in WHILE_LOOP_OPS))
+        calls.extend(FunctionCall(f.name, inputs[first_arg:]) for f in value.list.func)
+    return calls
 
 
 def xla_expanded_ops(graph: Graph) -> list[str]:
@@ -408,9 +426,7 @@ def ops_in(graph: Graph, ops: frozenset[str]) -> list[str]:
 def loop_function_graph(graph: Graph, loop: str, attr: str) -> Graph:
     """The `body` or `cond` (`attr`) of a `While` node as a Graph, its arguments shaped
     by the loop's inputs (TensorLists by their element shapes, `list_element_shapes`)."""
-    inputs = graph.inputs(loop)
-    return function_graph(graph, graph.node(loop).attr[attr].func.name, [graph.spec(ref).shape for ref in inputs],
-                          list_element_shapes(graph, inputs))
+    return FunctionCall(graph.node(loop).attr[attr].func.name, graph.inputs(loop)).graph(graph)
 
 
 # TensorList reads and where their `element_shape` input is: a read that passes -1
@@ -828,6 +844,26 @@ def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:
         logger.info("XLA planned bytes unavailable: %s", first_line(err))
         return None
     return xla_plan_from_hlo_proto(serialized)
+
+
+def xla_refusal(function: Any, *args: Any, **kwargs: Any) -> str:
+    """Why XLA cannot compile a jit-compiled `tf.function` for these arguments: its error's
+    first line ("" where it can, or where the function does not compile with XLA at all).
+
+    Example:
+        >>> def unbounded(x):
+        ...     return tf.while_loop(lambda v: tf.reduce_sum(v) < 10.0, lambda v: v * 2.0, [x])[0]
+        >>> xla_refusal(tf.function(unbounded, jit_compile=True), tf.ones([3]))
+        ''
+        >>> xla_refusal(tf.function(lambda x: tf.numpy_function(lambda v: v, [x], tf.float32), jit_compile=True),
+        ...             tf.ones([3]))
+        'ValueError: Failed getting HLO text: ...'
+    """
+    try:
+        function.experimental_get_compiler_ir(*args, **kwargs)(stage="hlo")
+    except Exception as err:  # noqa: BLE001 - XLA's refusals come as several types
+        return f"{type(err).__name__}: {first_line(err)}"
+    return ""
 
 
 def xla_planned_bytes(function: Any, *args: Any, **kwargs: Any) -> int | None:

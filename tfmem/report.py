@@ -114,7 +114,8 @@ class Report:
         compiled = stage if hasattr(stage, "rewritten") else None
         rewritten = compiled.rewritten if compiled is not None else stage
         return cls(traced.function_name, traced.signature, config or rewritten.config, traced=traced,
-                   rewritten=rewritten, compiled=compiled, replica=replica)
+                   rewritten=rewritten, compiled=compiled, replica=replica,
+                   without_xla=compiled.xla_refusal if compiled is not None else "")
 
     def fall_back(self, reason: str, runs: str = "") -> Report:
         """This report, for a signature that now runs the original function (`runs`: how)."""
@@ -149,6 +150,19 @@ class Report:
     def records(self) -> tuple[RewriteRecord, ...]:
         """Every rule that fired or was rejected, every split, with reasons."""
         return self.rewritten.records if self.rewritten is not None else ()
+
+    @property
+    def panels_over_split_size(self) -> list[str]:
+        """The in-place loops (`LeanCholeskyGradient`, `SolveInPlace`) whose panels are over
+        the config's `tensor_split_size`: a panel is at least one row, so a split size under
+        one row is not honoured there (the planner's own loops say so in `verdict`).
+        """
+        split_size = self.config.tensor_split_size
+        if not split_size:
+            return []
+        return [f"{r.rule} at {r.nodes[0] if r.nodes else '?'}: panels of one row of {format_size(r.details['chunk_bytes'])}"
+                for r in self.records if r.status == "fired" and r.details.get("block_rows") == 1
+                and r.details.get("chunk_bytes", 0) > split_size]
 
     @property
     def pass_seconds(self) -> Mapping[str, float]:

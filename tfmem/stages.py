@@ -32,13 +32,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import tensorflow as tf
+
 from tfmem.budget import ESTIMATE_ERROR, NOTHING_HELD, Budget, Held, PlanVerdict, allocator_held, resolve_budget
 from tfmem.capture import CapturedFunction, import_as_function
 from tfmem.config import Config, format_size
 from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import (TENSOR_LIST_OPS, MemoryEstimate, XlaPlan, estimate_memory, ops_in, xla_expanded_ops,
-                          xla_plan)
+                          xla_plan, xla_refusal)
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_PEAK_RULE,
                           XLA_PEAK_RULES, XLA_SHRINK_RULE, Report)
@@ -201,6 +203,8 @@ class Compiled:
         check_seconds: how long asking XLA took (it compiles the program).
         with_xla: whether the function runs under XLA (as the config says, unless XLA
             could not compile the rewrite: `TfmemFunction._run_without_xla`).
+        xla_refusal: why XLA could not compile the rewrite, where `compile_within_budget`
+            found it so when it asked for XLA's plan and planned for graph mode instead.
     """
 
     rewritten: Rewritten
@@ -211,6 +215,7 @@ class Compiled:
     check_seconds: float = 0.0
     held: Held = NOTHING_HELD
     with_xla: bool = True
+    xla_refusal: str = ""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
@@ -268,6 +273,10 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
        written (one more XLA compile): where XLA plans less for that, the rewrite is
        dropped and the program runs as written (`_never_worse_than_written`).
 
+    Where XLA cannot compile the rewrite when its plan is asked for (the gradient of a loop
+    with no bound on its trips, an op XLA has no kernel for), the program is planned for
+    graph mode instead, where it will run (`Compiled.xla_refusal` says why).
+
     `ask_xla`: skip the first rule (the wrapper asks again so when an unchecked plan ran
     out of memory).
     """
@@ -310,6 +319,12 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
         check_seconds += time.perf_counter() - start
         held = allocator_held()
         if planned is None:
+            refusal = xla_refusal(compiled.function, *args, **kwargs) if attempt == 0 and tf.executing_eagerly() else ""
+            if refusal:  # planned for where it will run: graph mode, with the executor's margin
+                plain = compile_within_budget(traced, dataclasses.replace(config, jit_compile=False), args, kwargs,
+                                              passes=passes, lint=lint, budget=budget,
+                                              input_signature=input_signature, name=name)
+                return dataclasses.replace(plain, xla_refusal=refusal, check_seconds=check_seconds)
             return dataclasses.replace(compiled, check_seconds=check_seconds)
         overshoot = budget.plan_overshoot(planned, held)
         compiled = dataclasses.replace(compiled, checked_plan=planned, xla_overshoot=overshoot,

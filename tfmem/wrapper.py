@@ -187,21 +187,22 @@ class TfmemFunction:
             raise  # a real out-of-memory: the program as written holds more
         except Exception:  # noqa: BLE001 - it fails without XLA too: the fallback says why (`err`)
             return False, None
-        why = f"{type(err).__name__}: {first_line(err)}"
-        signature.compiled = plain
-        signature.report = dataclasses.replace(
-            Report.of(signature.traced, plain, config=report.config, replica=report.replica), without_xla=why)
-        warn(f"tfmem: XLA cannot compile the rewritten {self._name}{report.signature}{report.where} ({why}); "
-             "it runs in graph mode, without XLA, as planned for the budget")
+        signature.compiled = dataclasses.replace(plain, xla_refusal=f"{type(err).__name__}: {first_line(err)}")
+        signature.report = Report.of(signature.traced, signature.compiled, config=report.config, replica=report.replica)
+        self._warn_without_xla(signature.report)
         return True, result
+
+    def _warn_without_xla(self, report: Report) -> None:
+        warn(f"tfmem: XLA cannot compile the rewritten {self._name}{report.signature}{report.where} "
+             f"({report.without_xla}); it runs in graph mode, without XLA, as planned for the budget")
 
     @staticmethod
     def _can_ask_xla(signature: _Signature) -> bool:
         """Whether the signature runs a plan XLA was not asked about (`compile_within_budget`
         judged it by the estimate alone): an out-of-memory then calls for XLA's plan."""
         compiled, report = signature.compiled, signature.report
-        return (compiled is not None and compiled.checked_plan is None and report.budget is not None
-                and report.config.jit_compile)
+        return (compiled is not None and compiled.with_xla and compiled.checked_plan is None
+                and report.budget is not None and report.config.jit_compile)
 
     def _run_checked(self, signature: _Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
                      err: tf.errors.ResourceExhaustedError) -> Any:
@@ -434,6 +435,8 @@ class TfmemFunction:
             self._fall_back(signature, f"{type(err).__name__}: {first_line(err)}", err)
             return signature
         signature.report = Report.of(signature.traced, signature.compiled, config=config, replica=replica)
+        if signature.report.without_xla:
+            self._warn_without_xla(signature.report)
         self._warn_about_plan(signature.report)
         return signature
 
@@ -503,6 +506,10 @@ class TfmemFunction:
         if verdict is not None and verdict.split_size_dropped:
             warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_split_size not honoured within "
                  f"the memory budget {report.budget}: {verdict.split_size_dropped}")
+        if report.panels_over_split_size:
+            warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_split_size "
+                 f"{format_size(report.config.tensor_split_size)} not honoured by "
+                 f"{'; '.join(report.panels_over_split_size)} (a panel is at least one row)")
         if report.fits is not False:
             if verdict is not None and verdict.threshold_dropped:
                 warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_size_threshold not honoured "

@@ -554,10 +554,11 @@ def _conjugate_gradients(n: int, bounded: bool = False, noise: float = 0.5) -> t
     return solve, _points(63, [(n, 3), (n, 1)])
 
 
-def _conjugate_gradients_grad(n: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _conjugate_gradients_grad(n: int, bounded: bool = True, noise: float = 5.0) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     # Noise 5, as in `batched_conjugate_gradients`: with ½ stock TensorFlow and stock XLA
     # give gradients 7.2e-4 apart (15 steps of an ill-conditioned solve, differentiated).
-    solve, args = _conjugate_gradients(n, bounded=True, noise=5.0)
+    # Unbounded, XLA cannot compile the gradient (its lists have no fixed size).
+    solve, args = _conjugate_gradients(n, bounded=bounded, noise=noise)
 
     def loss_and_grad(x, y):
         with tf.GradientTape() as tape:  # through the loop: the gradient loop reads K too

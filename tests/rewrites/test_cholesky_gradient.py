@@ -6,6 +6,7 @@ assignment; what the rule leaves alone, it says why.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,23 @@ def test_the_users_split_size_bounds_the_loops_panels(rng: np.random.Generator) 
     assert fired.details["block_rows"] == 3 and fired.details["chunk_bytes"] <= 3 * 64 * 8, fired.details
     assert_close(rewritten.compile()(a, w), tf.function(cholesky_gradient, jit_compile=True)(a, w), tf.float64)
     assert block_for(2000, split_size=2 * 2**20) * 2000 * 8 <= 2 * 2**20 and block_for(2000, split_size=1) == 1
+
+
+def test_a_split_size_under_one_row_is_not_honoured_and_the_user_is_told(rng: np.random.Generator) -> None:
+    # A panel is at least one row: 600 float64 are 4.7 KiB, over a 1 KiB split size. Before,
+    # only the planner's loops said so, and this said nothing.
+    a, w = spd(rng, (), 600), tf.constant(rng.normal(size=(600, 600)))
+    wrapped = tfmem.function(cholesky_gradient, config=tfmem.Config(memory_budget="8MiB", tensor_split_size="1KiB"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = wrapped.report(a, w)
+    (fired,) = [r for r in report.records if r.rule == RULE and r.status == "fired"]
+    assert fired.details["block_rows"] == 1, fired.details
+    told = [str(c.message) for c in caught if "not honoured" in str(c.message)]
+    assert len(told) == 1 and "tensor_split_size 1.0 KiB not honoured by LeanCholeskyGradient" in told[0], told
+    assert "panels of one row of 4.7 KiB" in told[0], told[0]
+    roomy = tfmem.function(cholesky_gradient, config=tfmem.Config(memory_budget="8MiB", tensor_split_size="8KiB"))
+    assert not roomy.report(a, w).panels_over_split_size
 
 
 def test_the_rule_is_held_back_from_a_call_without_a_budget(rng: np.random.Generator) -> None:
