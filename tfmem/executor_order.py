@@ -5,8 +5,8 @@ XLA runs a program one op at a time, in one order, and the static estimate
 without XLA (`jit_compile: false`, or a rewrite XLA cannot compile), starts every op whose
 inputs are ready: independent loops and large ops then run side by side. The import
 (`tfmem.capture.import_as_function`) chains them in the estimate's order instead, in the
-program and in every function it calls (loop bodies, branches), and call it with
-Grappler's arithmetic rewrites off (`GraphModeFunction`).
+program and in every function it calls (loop bodies, branches), and the program is called
+with Grappler's arithmetic rewrites off (`GraphModeFunction`).
 """
 from __future__ import annotations
 
@@ -113,11 +113,11 @@ class GraphModeFunction:
     """A `tf.function` run without XLA, called with Grappler's arithmetic optimizer off.
 
     TensorFlow optimizes a function with Grappler when it is first called. Its arithmetic
-    optimizer regroups a sum of broadcast terms (`AddOpsRewrite`: `(a + b) + c` becomes
-    `a + (b + c)`, and `b + c`, a row plus a column, is a whole `[rows, n]` temporary) and so
-    runs a program other than the one the estimate counted: a conjugate-gradient gradient
-    whose split loops the estimate put at 13.2 MiB peaked at 21–23 MiB with it, and at
-    13.4 MiB without. tfmem's cleanup ran Grappler's arithmetic rewrites on the program
+    optimizer then runs a program other than the one the estimate counted: it regroups
+    sums (`AddOpsRewrite`, whose node ran out of memory in one such run: regrouped, a row
+    plus a column of a chunk's squared distances is a whole temporary). A conjugate-gradient
+    gradient whose split loops the estimate put at 13.2 MiB peaked at 21–23 MiB with it, and
+    at 13.4 MiB without. tfmem's cleanup ran Grappler's arithmetic rewrites on the program
     before the estimate already (`rewrites.grappler_cleanup`). The setting is the calling
     thread's own and holds only for these calls; everything else the function is, it
     forwards.
