@@ -26,7 +26,7 @@ from tensorflow.python.framework import function as function_lib
 
 from tfmem.graph import Graph, TensorRef, is_stateful, rename_functions
 from tfmem.executor_order import GraphModeFunction, heavy_ops_in_turn
-from tfmem.host_folding import leave_large_constants_to_xla
+from tfmem.host_folding import leave_large_constants_to_the_executor, leave_large_constants_to_xla
 
 # Stateful ops that only read or check: recomputing them (e.g. in a backward pass) is harmless.
 # CheckNumerics and Assert only raise (GPflow's GPR predict_f holds a CheckNumerics): counted as
@@ -151,8 +151,8 @@ def import_as_function(captured: CapturedFunction, graph: Graph, *, jit_compile:
     """
     if jit_compile:
         graph, _ = leave_large_constants_to_xla(graph)
-    else:
-        graph = heavy_ops_in_turn(graph)
+    else:  # ordered as planned first: the estimate reads computable nodes as such
+        graph, _ = leave_large_constants_to_the_executor(heavy_ops_in_turn(graph))
     outputs = [o.name for o in graph.outputs]
     placeholders = {n.name for n in graph.find("Placeholder")}
     used = {p for p in placeholders if graph.node_consumers(p)} | {o.node for o in graph.outputs}

@@ -21,6 +21,10 @@ Only operands XLA reads as data get one: a shape, an axis, a limit must stay a c
 constant, so a node is shielded only through the operands `_DATA_OPERANDS` names for its
 op, and one with none stays as TensorFlow would fold it (a `range` of over 2**18 numbers).
 
+Without XLA, TensorFlow folds computable nodes on the host when it first runs a function,
+and tfmem's cleanup makes more of them computable: there each large one waits for the run
+instead (`leave_large_constants_to_the_executor`).
+
 Example:
     >>> cf = tf.function(lambda x: tf.where(tf.eye(2000) > 0, 0.0, x)).get_concrete_function(
     ...     tf.TensorSpec([2000, 2000]))
@@ -30,6 +34,8 @@ Example:
     ['Greater', 'eye/diag']
 """
 from __future__ import annotations
+
+from typing import Any
 
 import tensorflow as tf
 
@@ -125,6 +131,78 @@ def leave_large_constants_to_xla(graph: Graph) -> tuple[Graph, list[str]]:
     return copy, shielded
 
 
+def leave_large_constants_to_the_executor(graph: Graph) -> tuple[Graph, list[str]]:
+    """A copy of `graph` in which TensorFlow builds no large tensor when it instantiates the
+    function, for a program run without XLA; and the names of the nodes that changed (none:
+    `graph` itself comes back).
+
+    TensorFlow folds a function's computable nodes on the host when it first runs it
+    (`ConstantFold`, in the function runtime), and parses its `Const`s then. tfmem's
+    cleanup makes more nodes computable (a `Shape` of a [3000, 3000] matrix becomes a
+    `Const`, and a seeded dropout mask of that shape with it): under a limited allocator the
+    fold's copy of a 34 MiB mask crashed the process (SIGSEGV in `tensor::DeepCopy`), where
+    the program as written ran out of memory cleanly; and a splat `zeros` of 68.7 MiB failed
+    to parse ("Cannot parse tensor from proto"). So each large computable node that reads
+    no other large computable node (the rest read it, and wait for the run) reads its small
+    operands through `_executor_barrier`, and a large splat `Const` becomes a `Fill` whose
+    shape does: they are made when the program runs, where the plan counts them.
+
+    Example:
+        >>> cf = tf.function(lambda x: x + tf.random.stateless_uniform([2000, 2000], seed=[1, 2])
+        ...                  ).get_concrete_function(tf.TensorSpec([2000, 2000]))
+        >>> graph = Graph(cf.graph.as_graph_def(add_shapes=True), outputs=[t.name for t in cf.outputs])
+        >>> _, names = leave_large_constants_to_the_executor(graph)
+        >>> names
+        ['stateless_random_uniform/StatelessRandomUniformV2']
+    """
+    computable = computable_nodes(graph)
+    roots = [name for name in sorted(computable) if graph.node(name).op != "Const" and _large(graph, name)
+             and not any(r.node in computable and _large(graph, r.node) for r in graph.inputs(name))]
+    targets = [(name, position, ref) for name in roots for position, ref in enumerate(graph.inputs(name))
+               if (graph.nbytes(ref) or 0) <= LARGE_TENSOR_BYTES]
+    splats = [node.name for node in graph.find("Const") if _large(graph, node.name) and _splat(node) is not None]
+    if not targets and not splats:
+        return graph, []
+    copy = graph.copy()
+    barriers: dict[TensorRef, TensorRef] = {}
+    for name, position, ref in targets:
+        if ref not in barriers:
+            (barriers[ref],) = copy.splice(_executor_barrier, [ref], scope="tfmem_executor_constant")
+        copy.set_input(name, position, barriers[ref])
+    for name in splats:
+        value = _splat(graph.node(name))
+        shape = graph.spec(TensorRef(name)).shape.as_list()
+        (filled,) = copy.splice(lambda: tf.fill(_executor_barrier(tf.constant(shape, tf.int64)), value), [],
+                                scope="tfmem_executor_constant")
+        copy.replace_all_uses(TensorRef(name), filled)
+        if not copy.node_consumers(name) and not copy.is_output(TensorRef(name)):
+            copy.remove(name)  # a function parses every Const it holds, read or not
+    return copy, sorted({name for name, _, _ in targets} | set(splats))
+
+
+def _splat(node: Any) -> Any:
+    """The one value of a `Const` node stored as a splat (one value for many elements), as a
+    NumPy scalar; None for any other constant."""
+    proto = node.attr["value"].tensor
+    if proto.tensor_content or proto.dtype in (tf.string.as_datatype_enum, tf.resource.as_datatype_enum,
+                                               tf.variant.as_datatype_enum):
+        return None
+    scalar = type(proto)()
+    scalar.CopyFrom(proto)
+    scalar.ClearField("tensor_shape")
+    try:
+        value = tf.make_ndarray(scalar)
+    except (TypeError, ValueError):
+        return None
+    return value if value.size == 1 else None
+
+
+def _executor_barrier(tensor: tf.Tensor) -> tf.Tensor:
+    """`tensor`, unchanged, through an op TensorFlow's folding cannot see through: a select
+    on whether the (stateful, so never folded) clock reads at least zero, which it always does."""
+    return tf.where(tf.raw_ops.Timestamp() >= 0.0, tensor, tensor)
+
+
 def _barrier(tensor: tf.Tensor) -> tf.Tensor:
     from tensorflow.compiler.tf2xla.python import xla  # XLA's op wrappers, loaded when needed
 
@@ -132,4 +210,5 @@ def _barrier(tensor: tf.Tensor) -> tf.Tensor:
     return out
 
 
-__all__ = ["BARRIER_OP", "LARGE_TENSOR_BYTES", "computable_nodes", "leave_large_constants_to_xla"]
+__all__ = ["BARRIER_OP", "LARGE_TENSOR_BYTES", "computable_nodes", "leave_large_constants_to_the_executor",
+           "leave_large_constants_to_xla"]
