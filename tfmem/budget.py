@@ -92,6 +92,12 @@ XLA_FRACTION = 0.95
 # (46.3 → 62.6 MiB). Without XLA's plan to check, the estimate must fit the planning share
 # divided by it.
 GRAPH_MODE_ERROR = 1.4
+# Without XLA each of a split loop's chunk tensors is an allocation of its own, and BFC gives
+# one that needs a new region the whole region when it is under twice the chunk: chunks near
+# a quarter of the budget then took twice their size (row-normalised scores under 128 MiB:
+# estimate 70.1 MiB, real peak 129.7-163.8 MiB with 34 MiB chunks; 41.9 MiB with chunks of at
+# most 10 MiB, 14.0 with 5 MiB). So without XLA no chunk tensor is over this share of the plan.
+GRAPH_MODE_CHUNK_SHARE = 8
 # XLA asks for a program's temporaries as one block. A growing allocator (TensorFlow's
 # BFC with growth, as on the CPU) never hands a region back and grows regions by doubling,
 # so after allocations that peaked at P it holds regions of up to REGION_SLACK × P, the
@@ -166,6 +172,12 @@ class Budget:
         """What the static estimate may reach for a program TensorFlow's executor runs,
         without XLA (`GRAPH_MODE_ERROR`)."""
         return int(self.plan_bytes / GRAPH_MODE_ERROR)
+
+    @property
+    def graph_mode_split_bytes(self) -> int:
+        """The largest chunk tensor a split loop makes in a program TensorFlow's executor
+        runs, without XLA (`GRAPH_MODE_CHUNK_SHARE`)."""
+        return self.graph_mode_plan_bytes // GRAPH_MODE_CHUNK_SHARE
 
     def fits_estimate(self, estimate_bytes: int, *, with_xla: bool = True) -> bool:
         """The verdict where no XLA plan was asked for: the static estimate within the

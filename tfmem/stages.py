@@ -284,9 +284,10 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     # Passes XLA decides on run only once a plan without them does not fit (rule 2).
     checked = False
     other: Compiled | None = None  # the plan `_with_xla_checked_passes` did not keep
-    if budget is not None and not config.jit_compile:  # no XLA plan to check: a margin instead
-        return traced.rewrite(config, passes=passes, lint=lint, budget=budget,
-                              target_bytes=budget.graph_mode_plan_bytes).compile(
+    if budget is not None and not config.jit_compile:  # no XLA plan to check: a margin, and small chunks
+        split = min(config.tensor_split_size or budget.graph_mode_split_bytes, budget.graph_mode_split_bytes)
+        return traced.rewrite(dataclasses.replace(config, tensor_split_size=split), passes=passes, lint=lint,
+                              budget=budget, target_bytes=budget.graph_mode_plan_bytes).compile(
             input_signature=input_signature, name=name)
     rewritten = traced.rewrite(config, passes=passes, lint=lint, budget=budget, xla_checked=checked)
     if budget is None:

@@ -305,6 +305,19 @@ def test_without_xla_a_fit_holds_under_a_real_limit(program: str) -> None:
     assert result.value["fits"] and result.value["status"] == "ok", result.value
 
 
+def test_without_xla_no_chunk_is_over_an_eighth_of_the_plan(kernel_inputs) -> None:
+    # Each chunk tensor is an allocation of its own without XLA, and BFC gave one needing a
+    # new region the whole region: 34 MiB chunks under 128 MiB peaked at 130-164 MiB where
+    # the estimate said 70.1 (chunks of at most 10 MiB: 41.9 MiB).
+    config = tfmem.Config(memory_budget="24MiB", jit_compile=False)
+    report = tfmem.function(kernel_times, config=config).report(*kernel_inputs)
+    share = report.budget.graph_mode_split_bytes
+    assert report.fits and report.splits, report.summary()
+    assert all(r.details["chunk_bytes"] <= share for r in report.splits), [dict(r.details) for r in report.splits]
+    with_xla = tfmem.function(kernel_times, config=tfmem.Config(memory_budget="24MiB")).report(*kernel_inputs)
+    assert any(r.details["chunk_bytes"] > share for r in with_xla.splits)  # XLA allocates one block
+
+
 def test_without_xla_loops_and_large_ops_run_in_the_estimates_order(rng: np.random.Generator) -> None:
     from tfmem.executor_order import heavy_ops_in_turn
     from tfmem.memory import WHILE_LOOP_OPS
