@@ -35,6 +35,7 @@ Example:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -123,11 +124,7 @@ def leave_large_constants_to_xla(graph: Graph) -> tuple[Graph, list[str]]:
     if not targets:
         return graph, []
     copy = graph.copy()
-    barriers: dict[TensorRef, TensorRef] = {}
-    for name, position, ref in targets:
-        if ref not in barriers:
-            (barriers[ref],) = copy.splice(_barrier, [ref], scope="tfmem_xla_constant")
-        copy.set_input(name, position, barriers[ref])
+    _read_through(copy, targets, _barrier, "tfmem_xla_constant")
     return copy, shielded
 
 
@@ -164,11 +161,7 @@ def leave_large_constants_to_the_executor(graph: Graph) -> tuple[Graph, list[str
     if not targets and not splats:
         return graph, []
     copy = graph.copy()
-    barriers: dict[TensorRef, TensorRef] = {}
-    for name, position, ref in targets:
-        if ref not in barriers:
-            (barriers[ref],) = copy.splice(_executor_barrier, [ref], scope="tfmem_executor_constant")
-        copy.set_input(name, position, barriers[ref])
+    _read_through(copy, targets, _executor_barrier, "tfmem_executor_constant")
     for name in splats:
         value = _splat(graph.node(name))
         shape = graph.spec(TensorRef(name)).shape.as_list()
@@ -178,6 +171,17 @@ def leave_large_constants_to_the_executor(graph: Graph) -> tuple[Graph, list[str
         if not copy.node_consumers(name) and not copy.is_output(TensorRef(name)):
             copy.remove(name)  # a function parses every Const it holds, read or not
     return copy, sorted({name for name, _, _ in targets} | set(splats))
+
+
+def _read_through(graph: Graph, targets: list[tuple[str, int, TensorRef]], barrier: Callable[[tf.Tensor], tf.Tensor],
+                  scope: str) -> None:
+    """Makes each (node, input position, operand) of `targets` read its operand through
+    `barrier`, one barrier per operand tensor, in place."""
+    barriers: dict[TensorRef, TensorRef] = {}
+    for name, position, ref in targets:
+        if ref not in barriers:
+            (barriers[ref],) = graph.splice(barrier, [ref], scope=scope)
+        graph.set_input(name, position, barriers[ref])
 
 
 def _splat(node: Any) -> Any:
