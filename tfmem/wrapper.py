@@ -503,7 +503,8 @@ class TfmemFunction:
         threshold gave way to the budget: the user asked for something that was not done,
         though the budget, the promise, holds (so no strict raise for that alone)."""
         verdict = report.verdict
-        if verdict is not None and verdict.split_size_dropped:
+        # Only the user's split size: without XLA tfmem caps chunks itself (`Budget.graph_mode_split_bytes`).
+        if verdict is not None and verdict.split_size_dropped and report.config.tensor_split_size:
             warn(f"tfmem: {self._name}{report.signature}{report.where}: tensor_split_size not honoured within "
                  f"the memory budget {report.budget}: {verdict.split_size_dropped}")
         if report.panels_over_split_size:
