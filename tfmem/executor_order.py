@@ -18,7 +18,7 @@ from typing import Any
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 
-from tfmem.graph import Graph, GraphError, TensorRef
+from tfmem.graph import Graph, GraphError
 from tfmem.host_folding import LARGE_TENSOR_BYTES
 from tfmem.memory import RESIDENT_OPS, WHILE_LOOP_OPS, estimate_memory, function_calls
 
@@ -86,8 +86,7 @@ def _is_heavy(graph: Graph, name: str, large: int) -> bool:
     node = graph.node(name)
     if node.op in WHILE_LOOP_OPS:
         return True
-    return node.op not in RESIDENT_OPS and any(
-        (graph.nbytes(TensorRef(name, index)) or 0) >= large for index in range(len(graph.output_specs(name))))
+    return node.op not in RESIDENT_OPS and graph.largest_output_bytes(name) >= large
 
 
 def _order_called(graph: Graph, large: int, edges: dict[str, list[tuple[str, str]]], depth: int) -> None:

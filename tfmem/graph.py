@@ -442,6 +442,11 @@ class Graph:
             return None
         return spec.shape.num_elements() * spec.dtype.size
 
+    def largest_output_bytes(self, name: str) -> int:
+        """The bytes of node `name`'s largest output of static size (0 if none has one)."""
+        return max((self.nbytes(TensorRef(name, index)) or 0 for index in range(len(self.output_specs(name)))),
+                   default=0)
+
     def function(self, name: str) -> function_pb2.FunctionDef | None:
         """The library function called `name`, if the graph carries one."""
         for function in self.library.function:

@@ -96,8 +96,7 @@ def _computable_nodes(graph: Graph) -> frozenset[str]:
 
 def _large(graph: Graph, name: str) -> bool:
     """Whether an output of node `name` is over `LARGE_TENSOR_BYTES`."""
-    return any((graph.nbytes(TensorRef(name, index)) or 0) > LARGE_TENSOR_BYTES
-               for index in range(len(graph.output_specs(name))))
+    return graph.largest_output_bytes(name) > LARGE_TENSOR_BYTES
 
 
 def leave_large_constants_to_xla(graph: Graph) -> tuple[Graph, list[str]]:
@@ -157,13 +156,13 @@ def leave_large_constants_to_the_executor(graph: Graph) -> tuple[Graph, list[str
              and not any(r.node in computable and _large(graph, r.node) for r in graph.inputs(name))]
     targets = [(name, position, ref) for name in roots for position, ref in enumerate(graph.inputs(name))
                if (graph.nbytes(ref) or 0) <= LARGE_TENSOR_BYTES]
-    splats = [node.name for node in graph.find("Const") if _large(graph, node.name) and _splat(node) is not None]
+    splats = {node.name: value for node in graph.find("Const")
+              if _large(graph, node.name) and (value := _splat(node)) is not None}
     if not targets and not splats:
         return graph, []
     copy = graph.copy()
     _read_through(copy, targets, _executor_barrier, "tfmem_executor_constant")
-    for name in splats:
-        value = _splat(graph.node(name))
+    for name, value in splats.items():
         shape = graph.spec(TensorRef(name)).shape.as_list()
         (filled,) = copy.splice(lambda: tf.fill(_executor_barrier(tf.constant(shape, tf.int64)), value), [],
                                 scope="tfmem_executor_constant")
