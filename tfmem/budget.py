@@ -31,8 +31,11 @@ warning when it does not) — is decided here and nowhere else:
   (Planning aims lower, at `XLA_FRACTION` of the budget: `Budget.xla_overshoot` over that
   share makes the passes plan again, to `Budget.replan_target`);
 - where there is no XLA plan to ask for (`jit_compile: false`, or XLA cannot compile
-  the program), `Budget.fits_estimate`: the estimate within the planning share, divided
-  by `GRAPH_MODE_ERROR` (TensorFlow's executor holds more than the estimate counts).
+  the program), `Budget.fits_without_xla`: the estimate within the planning share, divided
+  by `GRAPH_MODE_ERROR` (TensorFlow's executor holds more than the estimate counts), and
+  every one of the estimate's allocations finding room when TensorFlow's BFC allocator is
+  replayed over them under the budget (`tfmem.allocator`: without XLA each whole matrix
+  is an allocation of its own, and one that needs a new region can take twice its size).
 
 A configured budget bounds everything the allocator holds, as a real limit of that size
 would: the call's inputs (each in the whole chunk BFC gave it, which can be near twice its
@@ -65,10 +68,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tfmem.allocator import Replay, replay
 from tfmem.config import Config, format_size
 
-if TYPE_CHECKING:  # the plan's type only: tfmem.memory needs no budget
-    from tfmem.memory import XlaPlan
+if TYPE_CHECKING:  # the plan's and estimate's types only: tfmem.memory needs no budget
+    from tfmem.memory import MemoryEstimate, XlaPlan
 
 # Share of a GPU's allocator limit that tfmem plans for (see the module docstring).
 GPU_SAFETY_FRACTION = 0.9
@@ -90,7 +94,8 @@ XLA_FRACTION = 0.95
 # conjugate-gradient loop's gradient in 26 and in smaller chunks (51.1 → 62.0 MiB,
 # 39.6 → 54.9 MiB: its 25 trips' lists do not shrink), 1.35× for a kernel's row sums
 # (46.3 → 62.6 MiB). Without XLA's plan to check, the estimate must fit the planning share
-# divided by it.
+# divided by it. What the allocator's regions and chunks add is not in this margin: the
+# allocator is replayed over the estimate's allocations for that (`Budget.fits_without_xla`).
 GRAPH_MODE_ERROR = 1.4
 # Without XLA each of a split loop's chunk tensors is an allocation of its own, and BFC gives
 # one that needs a new region the whole region when it is under twice the chunk: chunks near
@@ -189,6 +194,30 @@ class Budget:
             (True, False)
         """
         return estimate_bytes <= (self.plan_bytes if with_xla else self.graph_mode_plan_bytes)
+
+    def fits_without_xla(self, estimate: MemoryEstimate) -> bool:
+        """The verdict for a program TensorFlow's executor runs: its estimate within
+        `graph_mode_plan_bytes`, and its allocations all finding room in the allocator
+        under the budget (`allocator_replay`)."""
+        return self.fits_estimate(estimate.peak_bytes, with_xla=False) and self.allocator_replay(estimate).fits
+
+    def allocator_replay(self, estimate: MemoryEstimate) -> Replay:
+        """TensorFlow's BFC allocator replayed over the estimate's allocations, in its
+        schedule, under the whole budget (`tfmem.allocator`); the program's inputs first,
+        in a fresh allocator.
+
+        Example:
+            >>> from tfmem.allocator import Allocate
+            >>> from tfmem.memory import MemoryEstimate
+            >>> matrix = 1500 * 1500 * 8  # 17.2 MiB: BFC gives each of the first two a 32 MiB region
+            >>> three = MemoryEstimate(3 * matrix, "solve", (), allocations=(
+            ...     Allocate("x", 24_000), Allocate("K", matrix), Allocate("L", matrix), Allocate("solve", matrix)))
+            >>> Budget(82 << 20, "config").fits_estimate(three.peak_bytes, with_xla=False)
+            True
+            >>> Budget(82 << 20, "config").fits_without_xla(three), Budget(90 << 20, "config").fits_without_xla(three)
+            (False, True)
+        """
+        return replay(estimate.allocations, self.nbytes)
 
     def fits_unchecked(self, estimate_bytes: int, held: Held = NOTHING_HELD, output_bytes: int = 0) -> bool:
         """Whether a program estimated at `estimate_bytes` fits with no XLA check: even

@@ -6,6 +6,8 @@ outputs when it runs; a buffer is freed after its last reader has run. Graph inp
 are in TensorFlow. Ops that only reinterpret a buffer (`Identity`, `Reshape`, ...)
 allocate nothing and extend their input's life. A node that calls library functions
 (`While`, `If`, `PartitionedCall`) adds the peak of its bodies beyond their arguments.
+The walk's allocations and frees, in its order, are kept too (`MemoryEstimate.allocations`):
+without XLA, `tfmem.allocator` replays TensorFlow's allocator over them.
 
 Example:
     >>> est = estimate_memory(graph)
@@ -22,6 +24,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.core.framework import function_pb2, graph_pb2
 
+from tfmem.allocator import Allocate, AllocatorEvent, Free
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, TensorRef, called_functions, function_tensor_node, keep_functions_alive
@@ -96,6 +99,8 @@ class MemoryEstimate:
         unknown: tensors whose size is not static (counted as 0 bytes).
         nested_peak_bytes: at the peak node, the extra bytes its function bodies need.
         steps: each node's `(live, nested)` bytes (`at`), in the order the schedule runs them.
+        allocations: the buffers' allocations and frees in that order, with one run of each
+            function a node calls inside its step (what `tfmem.allocator.replay` replays).
     """
 
     peak_bytes: int
@@ -104,6 +109,7 @@ class MemoryEstimate:
     unknown: tuple[str, ...] = ()
     nested_peak_bytes: int = 0
     steps: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    allocations: tuple[AllocatorEvent, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     def at(self, node: str) -> tuple[int, int]:
         """`(live, nested)` bytes while `node` runs: its graph's live buffers, and what the
@@ -191,7 +197,7 @@ def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
 # (function name, argument shapes) → (peak bytes beyond its arguments, unknown tensors).
 # Library function names are unique in a process, and estimating a body means importing
 # it into a scratch graph: every estimate of a graph with loops would pay that again.
-_FUNCTION_BYTES: dict[tuple[str, tuple[Any, ...], bool], tuple[int, tuple[str, ...]]] = {}
+_FUNCTION_BYTES: dict[tuple[str, tuple[Any, ...], bool], tuple[int, tuple[str, ...], tuple[AllocatorEvent, ...]]] = {}
 
 
 class _Estimator:
@@ -279,7 +285,8 @@ class _Estimator:
         for buffer, nbytes in size.items():
             delta[alloc[buffer]] += nbytes
             delta[last_use[buffer] + 1] -= nbytes
-        nested = [self._nested_bytes(name) for name in order]
+        nested_runs = [self._nested(name) for name in order]
+        nested = [nbytes for nbytes, _ in nested_runs]
         live, peak, peak_step = 0, -1, 0
         steps: dict[str, tuple[int, int]] = {}
         for i in range(end):
@@ -296,7 +303,34 @@ class _Estimator:
         return MemoryEstimate(peak_bytes=max(peak, 0), peak_node=order[peak_step],
                               live_at_peak=tuple(live_at_peak),
                               unknown=tuple(dict.fromkeys(self.unknown)),
-                              nested_peak_bytes=nested[peak_step], steps=steps)
+                              nested_peak_bytes=nested[peak_step], steps=steps,
+                              allocations=self._allocations(order, size, alloc, last_use, nested_runs))
+
+    @staticmethod
+    def _allocations(order: list[str], size: Mapping[TensorRef, int], alloc: Mapping[TensorRef, int],
+                     last_use: Mapping[TensorRef, int],
+                     nested_runs: list[tuple[int, tuple[AllocatorEvent, ...]]]) -> tuple[AllocatorEvent, ...]:
+        """Each step allocates its node's outputs, runs the function it calls once (its
+        buffers all freed by the step's end), then frees the buffers it read last."""
+        made: dict[int, list[TensorRef]] = {}
+        freed: dict[int, list[TensorRef]] = {}
+        for buffer, nbytes in size.items():
+            if nbytes > 0:
+                made.setdefault(alloc[buffer], []).append(buffer)
+                if last_use[buffer] < len(order):
+                    freed.setdefault(last_use[buffer], []).append(buffer)
+        events: list[AllocatorEvent] = []
+        for i, name in enumerate(order):
+            events += [Allocate(b.name, size[b]) for b in made.get(i, ())]
+            inner = [dataclasses.replace(e, name=f"{name}/{e.name}") for e in nested_runs[i][1]]
+            events += inner
+            held = dict.fromkeys(e.name for e in inner if isinstance(e, Allocate))
+            for e in inner:
+                if isinstance(e, Free):
+                    held.pop(e.name, None)
+            events += [Free(n) for n in held]
+            events += [Free(b.name) for b in freed.get(i, ())]
+        return tuple(events)
 
     def _schedule(self) -> list[str]:
         """A topological order that, like XLA's scheduler, runs whatever frees most first.
@@ -345,29 +379,34 @@ class _Estimator:
         shape = tuple(spec.shape.as_list()) if spec.shape.rank is not None else ()
         return LiveTensor(ref.name, nbytes, shape, spec.dtype.name, self.graph.node(ref.node).op, held_for)
 
-    def _nested_bytes(self, name: str) -> int:
-        """Peak bytes of the functions a node calls, beyond the arguments it passes them."""
+    def _nested(self, name: str) -> tuple[int, tuple[AllocatorEvent, ...]]:
+        """Peak bytes of the functions a node calls, beyond the arguments it passes them,
+        and the allocations of one run of the function that needs most."""
         return max((self._function_bytes(call.function, call.args, loop_body=call.loop_body)
-                    for call in function_calls(self.graph, name)), default=0)
+                    for call in function_calls(self.graph, name)), default=(0, ()), key=lambda run: run[0])
 
-    def _function_bytes(self, function_name: str, args: list[TensorRef], *, loop_body: bool = False) -> int:
+    def _function_bytes(self, function_name: str, args: list[TensorRef], *,
+                        loop_body: bool = False) -> tuple[int, tuple[AllocatorEvent, ...]]:
         shapes = tuple(tuple(self.graph.spec(a).shape.as_list()) if self.graph.spec(a).shape.rank
                        is not None else None for a in args)
         key = (function_name, shapes, loop_body)
         if key not in self._function_cache:
-            self._function_cache[key] = (0, ())  # guards against recursion
+            self._function_cache[key] = (0, (), ())  # guards against recursion
             try:
                 body = FunctionCall(function_name, args).graph(self.graph)
                 inner = _Estimator(body, loop_body=loop_body)
                 estimate = inner.run()
-                arg_bytes = sum(inner._bytes(TensorRef(n.name)) for n in body.find("Placeholder"))
+                arguments = [TensorRef(n.name) for n in body.find("Placeholder")]
+                arg_bytes = sum(inner._bytes(ref) for ref in arguments)
+                given = {ref.name for ref in arguments}  # the caller holds them already
                 self._function_cache[key] = (max(0, estimate.peak_bytes - arg_bytes),
-                                             tuple(f"{function_name}/{u}" for u in inner.unknown))
+                                             tuple(f"{function_name}/{u}" for u in inner.unknown),
+                                             tuple(e for e in estimate.allocations if e.name not in given))
             except Exception as err:  # the estimate must never break the pipeline
                 logger.debug("cannot estimate function %s: %s", function_name, err)
-        nbytes, unknown = self._function_cache[key]
+        nbytes, unknown, allocations = self._function_cache[key]
         self.unknown.extend(unknown)
-        return nbytes
+        return nbytes, allocations
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from tfmem.allocator import Replay
 from tfmem.budget import ESTIMATE_ERROR, XLA_FRACTION, Budget, PlanVerdict
 from tfmem.config import Config, format_size
 from tfmem.memory import MemoryEstimate, XlaPlan
@@ -244,6 +245,15 @@ class Report:
         return {name: seconds for name, seconds in parts.items() if seconds is not None}
 
     @functools.cached_property
+    def allocator_replay(self) -> Replay | None:
+        """For a program TensorFlow's executor runs (without XLA) under a budget: its
+        allocator replayed over the estimate's allocations under the budget (the verdict's
+        second half: `Budget.fits_without_xla`); None otherwise."""
+        if self.budget is None or self.memory_after is None or self.status == "fallback" or self.runs_with_xla:
+            return None
+        return self.budget.allocator_replay(self.memory_after)
+
+    @functools.cached_property
     def original_graph_def(self) -> Any:
         return self.traced.captured.graph_def if self.traced is not None else None
 
@@ -279,7 +289,9 @@ class Report:
             return self.budget.fits_plan(plan, self.compiled.held)
         if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
             return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
-        return self.budget.fits_estimate(self.memory_after.peak_bytes, with_xla=self.runs_with_xla)
+        if not self.runs_with_xla:
+            return self.budget.fits_without_xla(self.memory_after)
+        return self.budget.fits_estimate(self.memory_after.peak_bytes)
 
     @property
     def runs_with_xla(self) -> bool:
@@ -347,6 +359,9 @@ class Report:
                 line += f" — {self.budget.why_not(checked, self.compiled.held)}"
             if verdict is not None and not verdict.fits:
                 line += f" — {verdict.reason}; {self.memory_after.in_words()}"
+            elif self.allocator_replay is not None and not self.allocator_replay.fits:
+                # The estimate fits; TensorFlow's allocator does not.
+                line += f" — without XLA, {self.allocator_replay.why()}; {self.memory_after.in_words()}"
         elif self.xla_bytes_after is not None:
             spare = self.budget.nbytes - self.xla_bytes_after
             if self.xla_bytes_after > self.budget.xla_bytes:
@@ -384,6 +399,11 @@ class Report:
                 lines.append(f"  peak after:  {self.memory_after.in_words()}, at {self.memory_after.peak_node}")
                 lines += [f"    {tensor.why(self.memory_after.peak_node)}"
                           for tensor in self.memory_after.live_at_peak[:_PEAK_TENSORS_SHOWN]]
+            replayed = self.allocator_replay
+            if replayed is not None:  # without XLA: what TensorFlow's allocator makes of the estimate
+                regions = " + ".join(format_size(size) for size in replayed.regions) or "none"
+                lines.append(f"  allocator:   {replayed.why() or 'every allocation finds room'} (replayed under the "
+                             f"budget: peak {format_size(replayed.peak_bytes)} in whole chunks, regions {regions})")
             xla_peak = self.xla_peak_after
             if xla_peak is not None:  # what the estimate above tries to predict
                 lines.append(f"  XLA's peak:  {xla_peak.in_words()}, at {xla_peak.peak_node} (packed into a "

@@ -193,9 +193,14 @@ def _row(entry: dict[str, Any], mode: str) -> str:
     ratio = f"{big['peak_bytes'] / big['estimate_bytes']:.2f}" if ran and big.get("peak_bytes") else "-"
     fidelity = " **VIOLATION**" if big.get("claims_fit") and big.get("status") == "oom" else ""
     splits = f" ({tight.get('splits')} splits)" if "splits" in tight else ""
+    replayed = ""
+    if mode == "graph":  # the allocator's peak, replayed over the estimate (`Report.allocator_replay`)
+        peak = big.get("replayed_peak_bytes")
+        over = f" ({big['peak_bytes'] / peak:.2f})" if ran and peak and big.get("peak_bytes") else ""
+        replayed = f" {_mib(peak)}{over} |"
     return (f"| {entry['program']} | {_mib(entry['budget_bytes'])} | {_mib(planned.get('planned_bytes'))} | "
             f"{stock_text} | {big.get('status', '-')}{fidelity} | {_mib(big.get('estimate_bytes'))} | {claims} | "
-            f"{_mib(big.get('peak_bytes')) if big.get('status') == 'ok' else '-'} | {ratio} | {_err(small)} | "
+            f"{_mib(big.get('peak_bytes')) if big.get('status') == 'ok' else '-'} | {ratio} |{replayed} {_err(small)} | "
             f"{_err(tight)}{splits} |")
 
 
@@ -239,7 +244,8 @@ def verdict_table(entries: Sequence[dict[str, Any]], mode: str) -> list[str]:
         if status == "ok" and big.get("peak_bytes"):
             left = entry["budget_bytes"] - big["peak_bytes"]
             margin = f"{_mib(left) if left > 0 else '0'} ({left / entry['budget_bytes']:.0%})"
-        decided = "XLA's plan" if big.get("xla_bytes") else "estimate"
+        decided = ("XLA's plan" if big.get("xla_bytes") else
+                   "estimate, allocator replay" if big.get("replayed_peak_bytes") is not None else "estimate")
         rows.append(f"| {entry['program']} | {'fits' if claims else 'does NOT fit'} | {decided} | "
                     f"{'ran' if status == 'ok' else 'out of memory'} | {margin} |")
     judged = sum(v for k, v in counts.items() if k != "no verdict")
@@ -264,7 +270,9 @@ def write_report(data: dict[str, Any], path: str) -> None:
         "`tfmem.function(fn, config=Config(memory_budget=budget))` at `big`; *estimate* = the Report's "
         "`memory_after.peak_bytes` (for outer-tape programs the forward function's: `report()` does not "
         "cover the backward one); *fits?* = whether that claims to fit; *real peak* = the BFC peak of the "
-        "tfmem call (inputs and model data included), and its ratio to the estimate; *rel err* = max |tfmem − stock| / max |stock| at `small` "
+        "tfmem call (inputs and model data included), and its ratio to the estimate; *replayed peak* (without "
+        "XLA) = the peak of TensorFlow's allocator replayed over the estimate's allocations under the budget "
+        "(`Report.allocator_replay`, the verdict's second half there); *rel err* = max |tfmem − stock| / max |stock| at `small` "
         "over values and gradients, under the budget (*small*) and under a tight budget (*tight*: half the "
         "unchanged program's static estimate, to force splits); ✗ = over the program's tolerance. "
         "VIOLATION = the report claimed to fit and the run ran out of memory.",
@@ -273,10 +281,11 @@ def write_report(data: dict[str, Any], path: str) -> None:
         title = {"budget": "budget only",
                  "expert": "expert override (diagnostic: `tensor_size_threshold = budget / 16` as well)",
                  "graph": "without XLA (`jit_compile: false` as well: TensorFlow's executor runs the plan)"}[mode]
+        replayed = " replayed peak (real / replayed) |" if mode == "graph" else ""
         lines += ["", f"## tfmem {title}", "",
                   "| program | budget | stock planned | stock real | tfmem | estimate | fits? | real peak | "
-                  "real / estimate | rel err (budget) | rel err (tight) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"real / estimate |{replayed} rel err (budget) | rel err (tight) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * bool(replayed)]
         lines += [_row(entry, mode) for entry in entries]
         lines += ["", f"### Verdict against outcome ({mode})", ""] + verdict_table(entries, mode)
         lines += ["", f"### Failures by reason ({mode})", ""] + _failures(entries, mode)

@@ -106,6 +106,8 @@ def _report_summary(report: Any, budget: int) -> dict[str, Any]:
         "estimate_before_bytes": report.memory_before.peak_bytes if report.memory_before is not None else None,
         "estimate_bytes": estimate,
         "claims_fit": bool(report.fits),
+        # Without XLA: the peak TensorFlow's allocator reaches, replayed over the estimate's allocations.
+        "replayed_peak_bytes": report.allocator_replay.peak_bytes if report.allocator_replay is not None else None,
         "xla_bytes": report.xla_bytes_after,
         "splits": len(report.splits),
         "unsplit": unsplit[:8],

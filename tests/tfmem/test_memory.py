@@ -7,6 +7,7 @@ import tensorflow as tf
 import tfmem
 from tests import background
 from tfmem import Graph, TensorRef, estimate_memory, run_isolated, xla_planned_bytes
+from tfmem.allocator import Allocate
 from tfmem.memory import while_passthrough
 
 
@@ -78,6 +79,39 @@ def test_while_counts_its_body_peak() -> None:
     assert graph.node(estimate.peak_node).op in ("While", "StatelessWhile")
     assert estimate.nested_peak_bytes >= 2 * 40000  # tile and exp live together in the body
     assert estimate.peak_bytes >= estimate.nested_peak_bytes + 400
+
+
+def _cond_in_a_loop(x, flag):
+    def body(i, acc):
+        inner = tf.cond(flag, lambda: tf.reduce_sum(tf.exp(x[:, None] * x[None, :])), lambda: tf.reduce_sum(x))
+        return i + 1, acc + inner
+    return tf.reduce_sum(tf.sin(x)) + tf.while_loop(lambda i, acc: i < 3, body, (0, 0.0))[1]
+
+
+@pytest.mark.parametrize("fn, specs", [
+    (_chain, [tf.TensorSpec([1000], tf.float32)]),
+    (_reshape_alias, [tf.TensorSpec([10, 10], tf.float32)]),
+    (_cond_in_a_loop, [tf.TensorSpec([300], tf.float32), tf.TensorSpec([], tf.bool)]),
+])
+def test_the_estimates_allocations_add_up_to_its_peak_each_one_freed_once(fn, specs) -> None:
+    # What the allocator is replayed over (`tfmem.allocator`): live bytes at their most are
+    # the estimate's peak, with the bodies a loop and a branch run nested in their step.
+    graph = graph_of(fn, *specs)
+    estimate = estimate_memory(graph)
+    live, most, held = 0, 0, set()
+    for event in estimate.allocations:
+        if isinstance(event, Allocate):
+            assert event.name not in held, event
+            held.add(event.name)
+            live += event.nbytes
+        else:
+            held.remove(event.name)
+            live -= next(e.nbytes for e in estimate.allocations if isinstance(e, Allocate) and e.name == event.name)
+        most = max(most, live)
+    assert most == estimate.peak_bytes
+    # What is held at the end is the program's own (its inputs, constants, outputs): a
+    # body's buffers are all freed by the end of the step that runs it.
+    assert all(name.rsplit(":", 1)[0] in graph for name in held), held
 
 
 def test_control_dependencies_order_the_walk() -> None:
