@@ -876,33 +876,35 @@ def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:
             return None  # it fell back to the original
     if hasattr(function, "xla_plan"):  # a Compiled stage
         return function.xla_plan(*args, **kwargs)
-    try:
-        serialized = function.experimental_get_compiler_ir(*args, **kwargs)(
-            stage="optimized_hlo_proto_serialized")
-    except Exception as err:  # not jit-compiled, or XLA refuses it
-        logger.info("XLA planned bytes unavailable: %s", first_line(err))
-        return None
-    return xla_plan_from_hlo_proto(serialized)
+    return xla_plan_or_refusal(function, *args, **kwargs)[0]
 
 
-def xla_refusal(function: Any, *args: Any, **kwargs: Any) -> str:
-    """Why XLA cannot compile a jit-compiled `tf.function` for these arguments: its error's
-    first line ("" where it can, or where the function does not compile with XLA at all).
+def xla_plan_or_refusal(function: Any, *args: Any, **kwargs: Any) -> tuple[XlaPlan | None, str]:
+    """XLA's buffer assignment for one call of a jit-compiled `tf.function`, or else why XLA
+    cannot compile it: its error's first line. One compilation answers both.
+
+    Running out of memory while compiling is no refusal: then neither is known (None, "").
 
     Example:
         >>> def unbounded(x):
         ...     return tf.while_loop(lambda v: tf.reduce_sum(v) < 10.0, lambda v: v * 2.0, [x])[0]
-        >>> xla_refusal(tf.function(unbounded, jit_compile=True), tf.ones([3]))
-        ''
-        >>> xla_refusal(tf.function(lambda x: tf.numpy_function(lambda v: v, [x], tf.float32), jit_compile=True),
-        ...             tf.ones([3]))
-        'ValueError: Failed getting HLO text: ...'
+        >>> plan, refusal = xla_plan_or_refusal(tf.function(unbounded, jit_compile=True), tf.ones([3]))
+        >>> plan.total_bytes > 0, refusal
+        (True, '')
+        >>> xla_plan_or_refusal(tf.function(lambda x: tf.numpy_function(lambda v: v, [x], tf.float32),
+        ...                                 jit_compile=True), tf.ones([3]))
+        (None, 'ValueError: Failed getting HLO text: ...')
     """
     try:
-        function.experimental_get_compiler_ir(*args, **kwargs)(stage="hlo")
-    except Exception as err:  # noqa: BLE001 - XLA's refusals come as several types
-        return f"{type(err).__name__}: {first_line(err)}"
-    return ""
+        serialized = function.experimental_get_compiler_ir(*args, **kwargs)(
+            stage="optimized_hlo_proto_serialized")
+    except (tf.errors.ResourceExhaustedError, MemoryError) as err:
+        logger.info("XLA planned bytes unavailable: %s", first_line(err))
+        return None, ""
+    except Exception as err:  # noqa: BLE001 - not jit-compiled, or XLA refuses it (as several types)
+        logger.info("XLA planned bytes unavailable: %s", first_line(err))
+        return None, f"{type(err).__name__}: {first_line(err)}"
+    return xla_plan_from_hlo_proto(serialized), ""
 
 
 def xla_planned_bytes(function: Any, *args: Any, **kwargs: Any) -> int | None:

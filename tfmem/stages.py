@@ -40,7 +40,7 @@ from tfmem.config import Config, format_size
 from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import (TENSOR_LIST_OPS, MemoryEstimate, XlaPlan, estimate_memory, ops_in, xla_expanded_ops,
-                          xla_plan, xla_refusal)
+                          xla_plan_or_refusal)
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_PEAK_RULE,
                           XLA_PEAK_RULES, XLA_SHRINK_RULE, Report)
@@ -220,11 +220,17 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
 
-    def xla_plan(self, *args: Any, **kwargs: Any) -> XlaPlan | None:
-        """XLA's buffer assignment for one call (None when not compiled with XLA)."""
+    def xla_plan_or_refusal(self, *args: Any, **kwargs: Any) -> tuple[XlaPlan | None, str]:
+        """XLA's buffer assignment for one call, or else why XLA cannot compile the program
+        (`memory.xla_plan_or_refusal`); (None, "") when not compiled with XLA."""
         if not self.with_xla:
-            return None
-        return xla_plan(self.function, *args, **kwargs)
+            return None, ""
+        return xla_plan_or_refusal(self.function, *args, **kwargs)
+
+    def xla_plan(self, *args: Any, **kwargs: Any) -> XlaPlan | None:
+        """XLA's buffer assignment for one call (None when not compiled with XLA, or XLA
+        cannot compile it)."""
+        return self.xla_plan_or_refusal(*args, **kwargs)[0]
 
     def xla_planned_bytes(self, *args: Any, **kwargs: Any) -> int | None:
         """XLA's planned bytes for one call (None when not compiled with XLA)."""
@@ -316,12 +322,12 @@ def compile_within_budget(traced: Traced, config: Config, args: Sequence[Any], k
     stopped: RewriteRecord | None = None
     for attempt in range(_REPLANS + 1):
         start = time.perf_counter()
-        planned = compiled.xla_plan(*args, **kwargs)
+        planned, refusal = compiled.xla_plan_or_refusal(*args, **kwargs)
         check_seconds += time.perf_counter() - start
         held = allocator_held()
         if planned is None:
-            refusal = xla_refusal(compiled.function, *args, **kwargs) if attempt == 0 and tf.executing_eagerly() else ""
-            if refusal:  # planned for where it will run: graph mode, with the executor's margin
+            # Inside another function's trace the arguments are symbolic: no refusal of XLA's.
+            if refusal and attempt == 0 and tf.executing_eagerly():  # planned for where it will run: graph mode
                 plain = compile_within_budget(traced, dataclasses.replace(config, jit_compile=False), args, kwargs,
                                               passes=passes, lint=lint, budget=budget,
                                               input_signature=input_signature, name=name)

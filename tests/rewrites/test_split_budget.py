@@ -438,7 +438,7 @@ def test_a_re_plan_that_comes_out_worse_under_xla_is_not_kept(kernel_inputs, mon
     # The first is over, each re-plan is worse; the program as written, asked last, is worse still.
     plans = iter([2 * budget, 5 * budget, 4 * budget, 6 * budget])
     # Blocks beside little else (a block beside much finds no room: no plan could fit, none is made).
-    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: _block_plan(next(plans), budget))
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal", lambda self, *a, **k: (_block_plan(next(plans), budget), ""))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=budget)
     kept = stages.compile_within_budget(traced, config, kernel_inputs, {}, ask_xla=True)
@@ -453,8 +453,8 @@ def test_no_re_plan_when_the_static_plan_already_misses_its_target(kernel_inputs
 
     budget = 64 * 2**10  # under the inputs alone: nothing split or shrunk reaches it
     checked = []
-    monkeypatch.setattr(stages.Compiled, "xla_plan",
-                        lambda self, *a, **k: checked.append(self) or XlaPlan(4 * budget, budget))
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal",
+                        lambda self, *a, **k: (checked.append(self) or XlaPlan(4 * budget, budget), ""))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), kernel_inputs, {},
                                         ask_xla=True)
@@ -477,7 +477,7 @@ def test_a_plan_within_the_budget_but_over_xlas_share_is_planned_again_around_xl
     budget = tfmem.Budget(8 * 2**20, "config")
     total = (budget.xla_bytes + budget.nbytes) // 2  # over the share, within the budget
     peak = MemoryEstimate(total // 2, "tfmem_step/MatMul", (LiveTensor("tfmem_step/MatMul", total // 2, (512, 512), "float64", "MatMul"),))
-    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: XlaPlan(total, total - 4096, peak))
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal", lambda self, *a, **k: (XlaPlan(total, total - 4096, peak), ""))
     seen: list[tuple[MemoryEstimate, ...]] = []
     rewrite = stages.Traced.rewrite
 
@@ -502,7 +502,7 @@ def test_a_re_plan_tightens_the_target_and_leaves_the_users_config_alone(kernel_
 
     budget = 8 * 2**20
     plans = iter([2 * budget, budget // 2])  # the first plan is twice over; the re-plan fits
-    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: _block_plan(next(plans), budget))
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal", lambda self, *a, **k: (_block_plan(next(plans), budget), ""))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=budget)
     kept = stages.compile_within_budget(traced, config, kernel_inputs, {}, ask_xla=True)
@@ -629,7 +629,7 @@ def test_a_program_that_keeps_values_in_tensor_lists_asks_xla_however_small_its_
 def test_a_plan_far_enough_under_the_budget_compiles_once_without_asking_xla(kernel_inputs, monkeypatch) -> None:
     from tfmem import stages
 
-    monkeypatch.setattr(stages.Compiled, "xla_plan", _xla_must_not_be_asked)
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal", _xla_must_not_be_asked)
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     budget = tfmem.Budget(4 * traced.memory.peak_bytes, "config")  # the unchanged program, far under
     kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget.nbytes), kernel_inputs, {})
@@ -673,8 +673,8 @@ def test_a_plan_near_the_budget_asks_xla_and_is_not_split_further_to_avoid_it(ke
     from tfmem.memory import XlaPlan
 
     checked = []
-    monkeypatch.setattr(stages.Compiled, "xla_plan",
-                        lambda self, *a, **k: checked.append(self) or XlaPlan(2**20, 2**19))
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal",
+                        lambda self, *a, **k: (checked.append(self) or XlaPlan(2**20, 2**19), ""))
     traced = tfmem.TfmemFunction(kernel_times).trace(*kernel_inputs)
     config = tfmem.Config(memory_budget=8 * 2**20)
     kept = stages.compile_within_budget(traced, config, kernel_inputs, {})

@@ -130,7 +130,7 @@ def test_a_plan_inside_the_budget_but_over_xlas_share_fits_with_little_to_spare(
 
     budget = 8 * 2**20
     plan = XlaPlan(int(planned * budget), int((planned - 0.01) * budget))
-    monkeypatch.setattr(stages.Compiled, "xla_plan", lambda self, *a, **k: plan)
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal", lambda self, *a, **k: (plan, ""))
     monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
     traced = tfmem.TfmemFunction(kernel_times).trace(*inputs)
     kept = stages.compile_within_budget(traced, tfmem.Config(memory_budget=budget), inputs, {})
@@ -150,9 +150,9 @@ def test_the_allocators_peak_is_read_after_the_check_that_grew_it(inputs, monkey
 
     def check(self, *args, **kwargs):  # XLA's compile grows the allocator's regions, as the rewrite can
         grown["peak"] = 3 * mib
-        return XlaPlan(6 * mib, int(5.9 * mib))
+        return XlaPlan(6 * mib, int(5.9 * mib)), ""
 
-    monkeypatch.setattr(stages.Compiled, "xla_plan", check)
+    monkeypatch.setattr(stages.Compiled, "xla_plan_or_refusal", check)
     monkeypatch.setattr(stages, "allocator_held", lambda: budget_module.Held(peak=grown["peak"]))
     monkeypatch.setattr(budget_module, "ESTIMATE_ERROR", 1000.0)  # every plan is checked with XLA
     traced = tfmem.TfmemFunction(kernel_times).trace(*inputs)
