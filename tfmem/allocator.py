@@ -9,8 +9,8 @@ picked when that chunk is under twice the request. So three float64 [1500, 1500]
 (17.2 MiB each, 51.5 MiB in all) need 81.2 MiB: after a small input took the first 2 MiB
 region, the first two each take a 32 MiB region whole, and the third a piece of a 64 MiB
 one. Under an 82 MiB limit the third finds no room: 82 − 2 − 32 − 32 = 16 MiB is left to
-grow, under 17.2. A static estimate that counts live
-bytes cannot see this; replaying its allocations here does.
+grow, under 17.2. A static estimate that counts live bytes cannot see this; replaying its
+allocations here does (`Budget.fits_without_xla`).
 
 Example:
     >>> matrix = 1500 * 1500 * 8

@@ -194,7 +194,8 @@ def while_passthrough(graph: Graph, name: str) -> dict[int, int]:
     return passed
 
 
-# (function name, argument shapes) → (peak bytes beyond its arguments, unknown tensors).
+# (function name, argument shapes) → (peak bytes beyond its arguments, unknown tensors, the
+# allocations of one run but its arguments').
 # Library function names are unique in a process, and estimating a body means importing
 # it into a scratch graph: every estimate of a graph with loops would pay that again.
 _FUNCTION_BYTES: dict[tuple[str, tuple[Any, ...], bool], tuple[int, tuple[str, ...], tuple[AllocatorEvent, ...]]] = {}
@@ -324,11 +325,11 @@ class _Estimator:
             events += [Allocate(b.name, size[b]) for b in made.get(i, ())]
             inner = [dataclasses.replace(e, name=f"{name}/{e.name}") for e in nested_runs[i][1]]
             events += inner
-            held = dict.fromkeys(e.name for e in inner if isinstance(e, Allocate))
+            left = dict.fromkeys(e.name for e in inner if isinstance(e, Allocate))  # the body's outputs
             for e in inner:
                 if isinstance(e, Free):
-                    held.pop(e.name, None)
-            events += [Free(n) for n in held]
+                    left.pop(e.name, None)
+            events += [Free(n) for n in left]
             events += [Free(b.name) for b in freed.get(i, ())]
         return tuple(events)
 
@@ -382,10 +383,10 @@ class _Estimator:
     def _nested(self, name: str) -> tuple[int, tuple[AllocatorEvent, ...]]:
         """Peak bytes of the functions a node calls, beyond the arguments it passes them,
         and the allocations of one run of the function that needs most."""
-        return max((self._function_bytes(call.function, call.args, loop_body=call.loop_body)
+        return max((self._function_run(call.function, call.args, loop_body=call.loop_body)
                     for call in function_calls(self.graph, name)), default=(0, ()), key=lambda run: run[0])
 
-    def _function_bytes(self, function_name: str, args: list[TensorRef], *,
+    def _function_run(self, function_name: str, args: list[TensorRef], *,
                         loop_body: bool = False) -> tuple[int, tuple[AllocatorEvent, ...]]:
         shapes = tuple(tuple(self.graph.spec(a).shape.as_list()) if self.graph.spec(a).shape.rank
                        is not None else None for a in args)
