@@ -87,13 +87,14 @@ class BfcAllocator:
         self.peak_bytes = 0
 
     @property
-    def pool_bytes(self) -> int:
-        """What the allocator holds in regions."""
-        return sum(chunks[-1].offset + chunks[-1].size for chunks in self.regions)
+    def region_sizes(self) -> list[int]:
+        """The size of each region (its last chunk's end), in the order they were grown."""
+        return [chunks[-1].offset + chunks[-1].size for chunks in self.regions]
 
     @property
-    def region_sizes(self) -> list[int]:
-        return [chunks[-1].offset + chunks[-1].size for chunks in self.regions]
+    def pool_bytes(self) -> int:
+        """What the allocator holds in regions."""
+        return sum(self.region_sizes)
 
     def allocate(self, name: str, nbytes: int) -> bool:
         """Allocates `nbytes` under `name`; False when nothing fits and no region can grow."""

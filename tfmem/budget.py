@@ -195,11 +195,13 @@ class Budget:
         """
         return estimate_bytes <= (self.plan_bytes if with_xla else self.graph_mode_plan_bytes)
 
-    def fits_without_xla(self, estimate: MemoryEstimate) -> bool:
+    def fits_without_xla(self, estimate: MemoryEstimate, replayed: Replay | None = None) -> bool:
         """The verdict for a program TensorFlow's executor runs: its estimate within
         `graph_mode_plan_bytes`, and its allocations all finding room in the allocator
-        under the budget (`allocator_replay`)."""
-        return self.fits_estimate(estimate.peak_bytes, with_xla=False) and self.allocator_replay(estimate).fits
+        under the budget (`allocator_replay`, or `replayed` where the caller holds it)."""
+        if not self.fits_estimate(estimate.peak_bytes, with_xla=False):
+            return False
+        return (replayed if replayed is not None else self.allocator_replay(estimate)).fits
 
     def allocator_replay(self, estimate: MemoryEstimate) -> Replay:
         """TensorFlow's BFC allocator replayed over the estimate's allocations, in its

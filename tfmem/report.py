@@ -290,7 +290,7 @@ class Report:
         if self.xla_bytes_after is not None and self.config.jit_compile:  # `explain` asked XLA
             return self.budget.fits_xla_plan(self.xla_bytes_after, self.xla_bytes_after)
         if not self.runs_with_xla:
-            return self.budget.fits_without_xla(self.memory_after)
+            return self.budget.fits_without_xla(self.memory_after, self.allocator_replay)
         return self.budget.fits_estimate(self.memory_after.peak_bytes)
 
     @property
