@@ -36,6 +36,7 @@ _EXPORTS = {
     "PlanCache": "plan_cache",
     "Report": "report",
     **dict.fromkeys(["TfmemFunction", "explain", "function"], "wrapper"),
+    "limit_xla_heaps": "xla_heaps",
 }
 
 

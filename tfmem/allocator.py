@@ -96,6 +96,21 @@ class BfcAllocator:
         """What the allocator holds in regions."""
         return sum(self.region_sizes)
 
+    def grow_to(self, nbytes: int) -> None:
+        """Grows regions as allocations that reached `nbytes` in use would have (each
+        region the next in the doubling, the last capped by the limit), and leaves them free.
+
+        Example:
+            >>> allocator = BfcAllocator(limit=192 << 20)
+            >>> allocator.grow_to(183 << 20)
+            >>> [size >> 20 for size in allocator.region_sizes]
+            [2, 4, 8, 16, 32, 64, 66]
+        """
+        while self.pool_bytes < nbytes:
+            left = (self.limit - self.pool_bytes) // MIN_ALLOCATION_BYTES * MIN_ALLOCATION_BYTES
+            if left < MIN_ALLOCATION_BYTES or not self._extend(min(self._next_region, left)):
+                return
+
     def allocate(self, name: str, nbytes: int) -> bool:
         """Allocates `nbytes` under `name`; False when nothing fits and no region can grow."""
         size = rounded_bytes(nbytes)

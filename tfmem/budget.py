@@ -68,8 +68,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfmem.allocator import Replay, replay
+from tfmem.allocator import BfcAllocator, Replay, replay
 from tfmem.config import Config, format_size
+from tfmem.xla_heaps import suggested_heap_bytes
 
 if TYPE_CHECKING:  # the plan's and estimate's types only: tfmem.memory needs no budget
     from tfmem.memory import MemoryEstimate, XlaPlan
@@ -364,12 +365,58 @@ class Budget:
 
     def plan_overshoot(self, plan: XlaPlan, held: Held = NOTHING_HELD) -> float:
         """`xla_overshoot` of a plan XLA made: its block of temporaries, allocated after its
-        outputs, must find room beside them."""
-        return self.xla_overshoot(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
+        outputs, must find room beside them. A plan in several heaps whose heaps do not all
+        find room under the budget (`heaps_replay`: it replays the regions the allocator
+        holds, which XLA's share would not leave it) is over by at least the heap that
+        found none, over the budget."""
+        overshoot = self.xla_overshoot(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
+        heaps = self.heaps_replay(plan, held)
+        if heaps is not None and not heaps.fits:
+            overshoot = max(overshoot, 1 + heaps.failed_bytes / self.nbytes)
+        return overshoot
 
     def fits_plan(self, plan: XlaPlan, held: Held = NOTHING_HELD) -> bool:
-        """`fits_xla_plan` of a plan XLA made (its block after its outputs)."""
-        return self.fits_xla_plan(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
+        """`fits_xla_plan` of a plan XLA made (its block after its outputs), and, for a plan
+        in several heaps, every heap finding room (`heaps_replay`)."""
+        heaps = self.heaps_replay(plan, held)
+        return (self.fits_xla_plan(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
+                and (heaps is None or heaps.fits))
+
+    def heaps_replay(self, plan: XlaPlan, held: Held = NOTHING_HELD, *, limit: int | None = None) -> Replay | None:
+        """Where XLA's temporaries land when it packed them in several heaps (under the
+        process's heap limit, `tfmem.xla_heaps`); None for one block, which `block_room`
+        judges alone.
+
+        Each heap is an allocation of its own, and all must find room, not only the
+        largest: the allocator (`tfmem.allocator`) is replayed with regions grown as far as
+        its peak (`BfcAllocator.grow_to`), what it holds in use, then the call's outputs,
+        then the heaps in the order the call allocates them, under `limit` (default: the
+        budget). The order matters: GPflow's VGP (N=2000) in heaps of 15.3, 30.6, 32.0,
+        32.0 and 32.0 MiB, in that order, after a 15.3 MiB output, fits the regions a
+        192 MiB limit left it (and runs); largest first, the 30.6 MiB one would find none.
+
+        Example:
+            >>> from tfmem.memory import XlaPlan
+            >>> mib = 1 << 20
+            >>> grown = Held(in_use=16 * mib, peak=183 * mib)   # regions 2 + 4 + ... + 64 + 66 MiB
+            >>> four = XlaPlan(170 * mib, 32 * mib, temp_bytes=32 * mib, output_bytes=16 * mib, heap_bytes=(32 * mib,) * 4)
+            >>> Budget(192 * mib, "config").heaps_replay(four, grown).fits
+            True
+            >>> five = dataclasses.replace(four, heap_bytes=(32 * mib,) * 5)
+            >>> print(Budget(192 * mib, "config").heaps_replay(five, grown).why())
+            the allocator finds no room for XLA's heap 5 of 5 (32.0 MiB): its regions of 2.0 + 4.0 + 8.0 + 16.0 + 32.0 + 64.0 + 66.0 MiB are in use or split too small, and 0 B is left to grow
+        """
+        if len(plan.heap_bytes) < 2:
+            return None
+        limit = self.nbytes if limit is None else limit
+        allocator = BfcAllocator(limit)
+        allocator.grow_to(max(held.peak, held.regions))
+        allocations = [("what the allocator holds", self.beside(held)), ("the call's outputs", plan.output_bytes)]
+        allocations += [(f"XLA's heap {i + 1} of {len(plan.heap_bytes)}", size) for i, size in enumerate(plan.heap_bytes)]
+        for name, nbytes in allocations:
+            if nbytes > 0 and not allocator.allocate(name, nbytes):
+                return Replay(limit, False, allocator.peak_bytes, name, nbytes, tuple(allocator.region_sizes))
+        return Replay(limit, True, allocator.peak_bytes, regions=tuple(allocator.region_sizes))
 
     def replan_target(self, plan: XlaPlan, estimate_bytes: int, held: Held = NOTHING_HELD) -> int | None:
         """The target the passes plan to next when XLA's plan (`plan`) of a program the
@@ -442,8 +489,22 @@ class Budget:
             if held.peak and held.in_use:
                 where += f", and those it grew hold {format_size(held.in_use)} in use"
             found = f"only {format_size(int(room))}" if room >= 1 else "no room"
-            reasons.append(f"its block of temporaries ({format_size(block)}) finds {found} in one piece: {where}")
+            reasons.append(f"its block of temporaries ({format_size(block)}) finds {found} in one piece: {where}"
+                           + self._heaps_hint(plan))
+        heaps = self.heaps_replay(plan, held, limit=limit)
+        if heaps is not None and not heaps.fits:
+            reasons.append(heaps.why())
         return "; ".join(reasons) or f"XLA's plan fits {format_size(limit)}"
+
+    @staticmethod
+    def _heaps_hint(plan: XlaPlan) -> str:
+        """For a block that finds no room in one piece: the process-wide heap limit that
+        lets XLA allocate it in pieces (`tfmem.xla_heaps.suggested_heap_bytes`)."""
+        size = suggested_heap_bytes(plan)
+        if size is None:
+            return ""
+        return (f" (XLA packs its temporaries in one block; tfmem.limit_xla_heaps('{size >> 20}MiB'), called "
+                f"before anything compiles, lets it allocate them in heaps of at most that size)")
 
     @property
     def origin(self) -> str:

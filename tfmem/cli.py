@@ -91,6 +91,8 @@ def _explain_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("pbtxt", None, "Write the rewritten GraphDef here as text.", flag_values=fv)
     flags.DEFINE_string("logdir", None, "Write the rewritten graph for TensorBoard here.", flag_values=fv)
     flags.DEFINE_bool("xla", True, "Also compile with XLA and report its planned bytes.", flag_values=fv)
+    flags.DEFINE_string("xla_heaps", None, "Let XLA allocate its temporaries in heaps of at most this size "
+                        "(e.g. 32MiB; tfmem.limit_xla_heaps), where one block finds no room.", flag_values=fv)
 
 
 def _explain(argv: Sequence[str], fv: flags.FlagValues) -> int:
@@ -101,6 +103,11 @@ def _explain(argv: Sequence[str], fv: flags.FlagValues) -> int:
     import_tensorflow_quietly()
     import tfmem
 
+    if fv.xla_heaps:  # before anything compiles: XLA reads its flags once
+        try:
+            tfmem.limit_xla_heaps(fv.xla_heaps)
+        except (ValueError, tfmem.TfmemError) as err:
+            raise app.UsageError(f"--xla_heaps: {err}") from err
     target = _load(argv[0])
     args, kwargs = _example_inputs(argv[0], fv.inputs)
     wrapped = tfmem.function(getattr(target, "python_function", target), config=config)

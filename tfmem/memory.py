@@ -641,6 +641,10 @@ class XlaPlan:
             None: not recorded (a plan file of an older format), then `largest_bytes`.
         output_bytes: the allocations of the call's outputs. XLA asks for them before its
             block of temporaries (a program whose output is a big matrix allocates it apart).
+        heap_bytes: the sizes of the allocations XLA packed its temporaries into, in the
+            order the call allocates them (XLA's allocation index; its outputs come first):
+            one block, or several heaps under the process-wide heap limit (`tfmem.xla_heaps`);
+            () when not recorded.
     """
 
     total_bytes: int
@@ -648,6 +652,7 @@ class XlaPlan:
     peak: MemoryEstimate | None = dataclasses.field(default=None, compare=False)
     temp_bytes: int | None = None
     output_bytes: int = 0
+    heap_bytes: tuple[int, ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -855,9 +860,10 @@ def xla_plan_from_hlo_proto(serialized: bytes) -> XlaPlan:
     except Exception as err:  # a proto layout we do not know: the sizes still stand
         logger.debug("XLA's live set at its peak unavailable: %s", first_line(err))
         peak = None
+    heaps = [a.size for a in own if not (a.maybe_live_out or a.is_thread_local or a.is_tuple) and a.size]
     return XlaPlan(sum(a.size for a in allocations), max((a.size for a in own), default=0), peak,
                    temp_bytes=max((a.size for a in own if not a.maybe_live_out), default=0),
-                   output_bytes=sum(a.size for a in own if a.maybe_live_out))
+                   output_bytes=sum(a.size for a in own if a.maybe_live_out), heap_bytes=tuple(heaps))
 
 
 def xla_plan(function: Any, *args: Any, **kwargs: Any) -> XlaPlan | None:

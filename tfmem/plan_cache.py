@@ -57,11 +57,14 @@ class PlanCache:
         import tensorflow as tf
 
         import tfmem
+        from tfmem.xla_heaps import requested_heap_bytes
 
         devices = sorted(d.device_type for d in tf.config.list_physical_devices())
+        # XLA's heap limit is the process's (tfmem.xla_heaps): a plan made under another differs.
         parts = [FORMAT, tfmem.__version__, tf.__version__, graph_digest,
                  repr(dataclasses.replace(config, plan_cache=None)),
-                 None if budget is None else [budget.nbytes, budget.source], devices, list(pipeline)]
+                 None if budget is None else [budget.nbytes, budget.source], devices, list(pipeline),
+                 requested_heap_bytes()]
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
     def path(self, key: str) -> str:
@@ -119,6 +122,7 @@ class PlanCache:
                     "largest_bytes": plan.largest_bytes if plan is not None else None,
                     "temp_bytes": plan.temp_bytes if plan is not None else None,
                     "output_bytes": plan.output_bytes if plan is not None else None,
+                    "heap_bytes": list(plan.heap_bytes) if plan is not None else None,
                     "overshoot": compiled.xla_overshoot, "held_peak": compiled.held.peak,
                     "held_in_use": compiled.held.in_use},
         }
@@ -141,6 +145,7 @@ def checked_plan(xla: dict[str, Any]) -> tuple[XlaPlan | None, float | None, Hel
         return None, None, NOTHING_HELD
     temp = xla.get("temp_bytes")
     return (XlaPlan(int(xla["total_bytes"]), int(xla["largest_bytes"]), temp_bytes=None if temp is None else int(temp),
-                    output_bytes=int(xla.get("output_bytes") or 0)),
+                    output_bytes=int(xla.get("output_bytes") or 0),
+                    heap_bytes=tuple(int(h) for h in xla.get("heap_bytes") or ())),
             xla.get("overshoot"),
             Held(int(xla.get("held_in_use") or 0), int(xla.get("held_peak") or 0)))

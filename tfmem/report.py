@@ -314,7 +314,9 @@ class Report:
         if self.xla_bytes_after is not None:
             worse = (self.xla_bytes_before is not None and self.xla_bytes_after > self.xla_bytes_before
                      and self.budget is None)  # under a budget, NeverWorseThanWritten decides and says so
+            heaps = self.xla_plan_after.heap_bytes
             peaks += (f" (XLA plans {format_size(self.xla_bytes_after)}"
+                      + (f" in {len(heaps)} heaps of up to {format_size(max(heaps))}" if len(heaps) > 1 else "")
                       + (f", more than the {format_size(self.xla_bytes_before)} it plans for the program as written"
                          if worse else "") + ")")
         elif self.without_xla:

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 import tfmem
 from tfmem.isolation import classify_error
+from tfmem.xla_heaps import suggested_heap_bytes
 
 from benchmarks.corpus.programs import PROGRAMS, Program
 
@@ -109,6 +110,10 @@ def _report_summary(report: Any, budget: int) -> dict[str, Any]:
         # Without XLA: the peak TensorFlow's allocator reaches, replayed over the estimate's allocations.
         "replayed_peak_bytes": report.allocator_replay.peak_bytes if report.allocator_replay is not None else None,
         "xla_bytes": report.xla_bytes_after,
+        "xla_heap_bytes": list(report.xla_plan_after.heap_bytes) if report.xla_plan_after is not None else None,
+        # What the summary suggests where XLA's one block finds no room in one piece.
+        "suggested_heap_bytes": (suggested_heap_bytes(report.xla_plan_after)
+                                 if report.xla_plan_after is not None and not report.fits else None),
         "splits": len(report.splits),
         "unsplit": unsplit[:8],
         "pipeline_seconds": report.pipeline_seconds,
@@ -262,8 +267,8 @@ def _equality(program: Program, mode: str) -> dict[str, Any]:
     return record
 
 
-def tfmem_trial(name: str, mode: str = "budget", steps: tuple[str, ...] = ("stock_planned", "big", "equality")
-                ) -> dict[str, Any]:
+def tfmem_trial(name: str, mode: str = "budget", steps: tuple[str, ...] = ("stock_planned", "big", "equality"),
+                xla_heaps: int | None = None) -> dict[str, Any]:
     """Stock's planned bytes and tfmem at `big`, then tfmem vs stock at `small`.
 
     `big` runs first, on a fresh allocator: after the small size's calls, TensorFlow's
@@ -273,7 +278,12 @@ def tfmem_trial(name: str, mode: str = "budget", steps: tuple[str, ...] = ("stoc
     peak, which the small size's calls would raise for no reason of the big program).
     A process that dies in the big step loses the rest: `run.tfmem_record` then runs
     the steps again, each group in its own process.
+
+    `xla_heaps`: XLA's temporaries in heaps of at most these bytes, for the whole process
+    (`tfmem.limit_xla_heaps`, before anything compiles; stock's plan is then made so too).
     """
+    if xla_heaps is not None:
+        tfmem.limit_xla_heaps(xla_heaps)
     program = PROGRAMS[name]
     result: dict[str, Any] = {"program": name, "mode": mode, "budget_bytes": program.budget_bytes}
     result.update(_big_steps(program, mode, steps))
