@@ -34,6 +34,14 @@ def test_another_heap_size_in_xla_flags_is_not_overridden(monkeypatch: pytest.Mo
         tfmem.limit_xla_heaps("32MiB")
 
 
+def test_a_plan_made_under_another_heap_limit_is_another_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, config, budget = tfmem.PlanCache("unused"), tfmem.Config(memory_budget="64MiB"), Budget(64 * MiB, "config")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    one_block = cache.key("digest", config, budget)
+    monkeypatch.setenv("XLA_FLAGS", f"--{FLAG}={32 * MiB}")
+    assert cache.key("digest", config, budget) != one_block
+
+
 def heaps_after_compiling(compile_first: bool) -> dict[str, Any]:
     """Sets heaps of 4 MiB, after an XLA compilation or before any, and reports what XLA
     then plans for a program with four float64 [500, 500] (1.9 MiB) temporaries alive at once."""
@@ -134,3 +142,4 @@ def test_heaps_let_a_block_that_finds_no_room_in_one_piece_run_both_ways_under_a
     assert heaps.ok, heaps.error
     assert len(heaps.value["heaps"]) > 1 and max(heaps.value["heaps"]) <= 8 * MiB, heaps.value
     assert heaps.value["fits"] and heaps.value["ran"], heaps.value
+    assert f"in {len(heaps.value['heaps'])} heaps of up to" in heaps.value["summary"], heaps.value
