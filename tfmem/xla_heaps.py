@@ -62,7 +62,8 @@ def with_heap_flag(xla_flags: str, nbytes: int) -> str:
 def suggested_heap_bytes(plan: XlaPlan) -> int | None:
     """The heap limit to try for a plan whose one block of temporaries finds no room: its
     largest buffer at XLA's peak, up to the next power of two (at least 1 MiB); None when
-    XLA already packed it in heaps, its peak is unknown, or that is no smaller than the block.
+    XLA already packed it in heaps, this process set a heap limit already (it cannot
+    change), its peak is unknown, or that is no smaller than the block.
 
     Example:
         >>> from tfmem.memory import LiveTensor, MemoryEstimate, XlaPlan
@@ -71,7 +72,8 @@ def suggested_heap_bytes(plan: XlaPlan) -> int | None:
         >>> suggested_heap_bytes(XlaPlan(160 << 20, 126 << 20, peak, temp_bytes=126 << 20, heap_bytes=(126 << 20,))) >> 20
         32
     """
-    if len(plan.heap_bytes) > 1 or plan.peak is None or not plan.peak.live_at_peak:
+    if len(plan.heap_bytes) > 1 or requested_heap_bytes() is not None or plan.peak is None \
+            or not plan.peak.live_at_peak:
         return None
     largest = max(t.nbytes for t in plan.peak.live_at_peak)
     size = 1 << max(20, (largest - 1).bit_length())
