@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the plan's type only
 FLAG = "xla_multiheap_size_constraint_per_heap"
 # XLA declares the flag an int32.
 MAX_HEAP_BYTES = 2**31 - 1
+_MIB = 1 << 20
 _FLAG_RE = re.compile(rf"--{FLAG}=(-?\d+)")
 
 
@@ -61,22 +62,27 @@ def with_heap_flag(xla_flags: str, nbytes: int) -> str:
 
 def suggested_heap_bytes(plan: XlaPlan) -> int | None:
     """The heap limit to try for a plan whose one block of temporaries finds no room: its
-    largest buffer at XLA's peak, up to the next power of two (at least 1 MiB); None when
-    XLA already packed it in heaps, this process set a heap limit already (it cannot
-    change), its peak is unknown, or that is no smaller than the block.
+    largest buffer at XLA's peak, up to a whole MiB; None when XLA already packed it in
+    heaps, this process set a heap limit already (it cannot change), its peak is
+    unknown, or that is no smaller than the block.
+
+    Not up to a power of two: XLA's heaps can come out a few bytes over the limit, and the
+    allocator gives a request just over a power of two a region of twice that (VGP's
+    heaps of 32 MiB + 24 B would each take a 64 MiB region in a fresh process); heaps of
+    31 MiB fit a 32 MiB region, or two a 64 MiB one.
 
     Example:
         >>> from tfmem.memory import LiveTensor, MemoryEstimate, XlaPlan
         >>> matrix = LiveTensor("dot", 2000 * 2000 * 8, (2000, 2000), "float64")   # 30.5 MiB
         >>> peak = MemoryEstimate(4 * matrix.nbytes, "dot", (matrix,) * 4)
         >>> suggested_heap_bytes(XlaPlan(160 << 20, 126 << 20, peak, temp_bytes=126 << 20, heap_bytes=(126 << 20,))) >> 20
-        32
+        31
     """
     if len(plan.heap_bytes) > 1 or requested_heap_bytes() is not None or plan.peak is None \
             or not plan.peak.live_at_peak:
         return None
     largest = max(t.nbytes for t in plan.peak.live_at_peak)
-    size = 1 << max(20, (largest - 1).bit_length())
+    size = -(-largest // _MIB) * _MIB
     return size if size < plan.block_bytes else None
 
 
