@@ -8,8 +8,8 @@ gradients at N=2000 (q_sqrt is [2000, 2000]): tfmem's rewrite plans 156.6 MiB un
 the 126 MiB block found no room (`Budget.block_room`). XLA's flag
 `--xla_multiheap_size_constraint_per_heap` makes its buffer assignment pack the
 temporaries into several heaps of at most that size, each allocated apart: with heaps of
-32 MiB, one [2000, 2000] float64 matrix wide each, the same program plans 172.4 MiB and
-runs under the 192 MiB limit at a real peak of 182.6 MiB.
+31 MiB, one [2000, 2000] float64 matrix wide each, the same program plans 170.0 MiB and
+runs under the 192 MiB limit at a real peak of 174.9 MiB (`benchmarks/XLA_HEAPS.md`).
 
 The flag is process-wide, and XLA reads it once, when the process first compiles. So it
 is not a per-function config key: call `limit_xla_heaps` before anything compiles (or set
