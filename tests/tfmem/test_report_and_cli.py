@@ -68,6 +68,7 @@ def test_cli_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeyp
     (["explain", "tfmem.examples:allocate"], "pass --inputs"),
     (["config", "--config=/no/such/file.yaml"], "cannot be read"),
     (["explain", "tfmem.examples:kernel_matmul", "--bogus"], "bogus"),
+    (["explain", "tfmem.examples:kernel_matmul", "--xla_heaps=3GiB"], "--xla_heaps: heap size: expected 1 B"),
 ])
 def test_cli_bad_input_is_one_clear_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["tfmem", *argv]) == 2
