@@ -27,7 +27,9 @@ warning when it does not) — is decided here and nowhere else:
   fits XLA's share beside what the allocator holds and the regions it grew;
 - with XLA's plan (asked for only when the first rule cannot say yes: it costs a
   compilation), `Budget.fits_xla_plan`: the plan fits the budget, beside what the
-  allocator holds already, and its block of temporaries finds room in one piece.
+  allocator holds already, and its block of temporaries finds room in one piece; where
+  XLA packed them in several heaps (the process's heap limit, `tfmem.xla_heaps`), every
+  heap finds room when the allocator is replayed over them (`Budget.heaps_replay`).
   (Planning aims lower, at `XLA_FRACTION` of the budget: `Budget.xla_overshoot` over that
   share makes the passes plan again, to `Budget.replan_target`);
 - where there is no XLA plan to ask for (`jit_compile: false`, or XLA cannot compile
