@@ -111,35 +111,6 @@ class BfcAllocator:
             if left < MIN_ALLOCATION_BYTES or not self._extend(min(self._next_region, left)):
                 return
 
-    def hold_in_largest_regions(self, name: str, nbytes: int) -> bool:
-        """Places `nbytes` at the start of the largest free regions, largest first: what an
-        allocator holds from earlier allocations, where it leaves the least room in one
-        piece for what comes after (we know how much it holds, not where). False when the
-        regions do not hold it all.
-
-        Example:
-            >>> allocator = BfcAllocator(limit=64 << 20)
-            >>> allocator.grow_to(62 << 20)                        # regions of 2, 4, 8, 16, 32 MiB
-            >>> allocator.hold_in_largest_regions("held", 40 << 20)  # all of the 32, 8 of the 16
-            True
-            >>> allocator.allocate("x", 9 << 20), allocator.allocate("y", 7 << 20)
-            (False, True)
-        """
-        left = rounded_bytes(nbytes)
-        for index in sorted(range(len(self.regions)), key=lambda i: -self.region_sizes[i]):
-            chunks = self.regions[index]
-            if left <= 0 or len(chunks) != 1 or chunks[0].owner is not None:
-                continue
-            whole = chunks[0]
-            size = min(left, whole.size)
-            held = _Chunk(index, 0, size, owner=f"{name} ({index})")
-            chunks[:] = [held] + ([_Chunk(index, size, whole.size - size)] if whole.size > size else [])
-            self._where[held.owner] = held
-            self.bytes_in_use += size
-            left -= size
-        self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
-        return left <= 0
-
     def allocate(self, name: str, nbytes: int) -> bool:
         """Allocates `nbytes` under `name`; False when nothing fits and no region can grow."""
         size = rounded_bytes(nbytes)
