@@ -194,9 +194,12 @@ class Replay:
                 f"of {held} MiB are in use or split too small, and {format_size(left)} is left to grow")
 
 
-def replay(events: Iterable[AllocatorEvent], limit: int) -> Replay:
-    """Replays `events` through a fresh `BfcAllocator` under `limit` bytes (see the module)."""
+def replay(events: Iterable[AllocatorEvent], limit: int, *, grown_to: int = 0) -> Replay:
+    """Replays `events` through a `BfcAllocator` under `limit` bytes (see the module): a
+    fresh one, or one whose regions earlier allocations grew to `grown_to` bytes in use
+    (`BfcAllocator.grow_to`)."""
     allocator = BfcAllocator(limit)
+    allocator.grow_to(grown_to)
     for event in events:
         if isinstance(event, Free):
             allocator.free(event.name)

@@ -70,7 +70,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfmem.allocator import BfcAllocator, Replay, replay
+from tfmem.allocator import Allocate, Replay, replay
 from tfmem.config import Config, format_size
 from tfmem.xla_heaps import suggested_heap_bytes
 
@@ -385,11 +385,15 @@ class Budget:
         return overshoot
 
     def fits_plan(self, plan: XlaPlan, held: Held = NOTHING_HELD) -> bool:
-        """`fits_xla_plan` of a plan XLA made (its block after its outputs), and, for a plan
-        in several heaps, every heap finding room (`heaps_replay`)."""
+        """`fits_xla_plan` of a plan XLA made (its block after its outputs). For a plan in
+        several heaps: the whole plan within the budget, every heap finding room
+        (`heaps_replay`), and the largest judged as a block beside the call's other
+        buffers but not its other heaps, which the replay places (`_without_other_heaps`)."""
         heaps = self.heaps_replay(plan, held)
-        return (self.fits_xla_plan(_without_other_heaps(plan), plan.block_bytes, held, other_bytes=plan.output_bytes)
-                and (heaps is None or heaps.fits))
+        if heaps is None:
+            return self.fits_xla_plan(plan.total_bytes, plan.block_bytes, held, other_bytes=plan.output_bytes)
+        return (plan.total_bytes <= self.nbytes and heaps.fits
+                and self.fits_xla_plan(_without_other_heaps(plan), plan.block_bytes, held, other_bytes=plan.output_bytes))
 
     def heaps_replay(self, plan: XlaPlan, held: Held = NOTHING_HELD, *, limit: int | None = None) -> Replay | None:
         """Where XLA's temporaries land when it packed them in several heaps (under the
@@ -398,16 +402,17 @@ class Budget:
 
         Each heap is an allocation of its own, and all must find room, not only the
         largest: the allocator (`tfmem.allocator`) is replayed with regions grown as far as
-        its peak (`BfcAllocator.grow_to`), what it holds in use (best fit: mostly inputs and
-        variables, allocated while the regions were small), then the call's outputs, then
-        the heaps in the order the call allocates them, under `limit` (default: the
-        budget). (Held at the start of the largest regions instead, VGP's 15.4 MiB
-        variable left its 31 MiB heaps no room, yet they ran: the verdict said "does NOT
-        fit", and planning moved to a plan in heaps that did run out of memory.) For the verdict (`fits_plan`) the largest heap is judged as
-        a block too (`block_room`), beside the call's other buffers but not its other
-        heaps: they are the replay's. The order matters: GPflow's VGP (N=2000) in heaps of 15.3, 30.6, 32.0,
-        32.0 and 32.0 MiB, in that order, after a 15.3 MiB output, fits the regions a
-        192 MiB limit left it (and runs); largest first, the 30.6 MiB one would find none.
+        its peak (`BfcAllocator.grow_to`), under `limit` (default: the budget), over what it
+        holds in use, then the call's outputs, then the heaps in the order the call
+        allocates them.
+
+        What it holds is placed by best fit: mostly inputs and variables, allocated while
+        the regions were small. (Held at the start of the largest regions instead, VGP's
+        15.4 MiB variable left its 31 MiB heaps no room, yet they ran: the verdict said
+        "does NOT fit", and planning moved to a plan in heaps that did run out of memory.)
+        The order matters too: GPflow's VGP (N=2000) in heaps of 15.3, 30.6, 32.0, 32.0
+        and 32.0 MiB, in that order, after a 15.3 MiB output, fits the regions a 192 MiB
+        limit left it (and runs); largest first, the 30.6 MiB one would find none.
 
         Example:
             >>> from tfmem.memory import XlaPlan
@@ -422,15 +427,9 @@ class Budget:
         """
         if len(plan.heap_bytes) < 2:
             return None
-        limit = self.nbytes if limit is None else limit
-        allocator = BfcAllocator(limit)
-        allocator.grow_to(max(held.peak, held.regions))
-        allocations = [("what the allocator holds", self.beside(held)), ("the call's outputs", plan.output_bytes)]
-        allocations += [(f"XLA's heap {i + 1} of {len(plan.heap_bytes)}", size) for i, size in enumerate(plan.heap_bytes)]
-        for name, nbytes in allocations:
-            if nbytes > 0 and not allocator.allocate(name, nbytes):
-                return Replay(limit, False, allocator.peak_bytes, name, nbytes, tuple(allocator.region_sizes))
-        return Replay(limit, True, allocator.peak_bytes, regions=tuple(allocator.region_sizes))
+        events = [Allocate("what the allocator holds", self.beside(held)), Allocate("the call's outputs", plan.output_bytes)]
+        events += [Allocate(f"XLA's heap {i + 1} of {len(plan.heap_bytes)}", size) for i, size in enumerate(plan.heap_bytes)]
+        return replay(events, self.nbytes if limit is None else limit, grown_to=max(held.peak, held.regions))
 
     def replan_target(self, plan: XlaPlan, estimate_bytes: int, held: Held = NOTHING_HELD) -> int | None:
         """The target the passes plan to next when XLA's plan (`plan`) of a program the
@@ -482,7 +481,7 @@ class Budget:
             the call allocates 700 B (its outputs and its block of temporaries) beside the 400 B the allocator holds already (its inputs among it): 1.1 KiB, over 1000 B
         """
         limit = self.nbytes if limit is None else limit
-        total, block, outputs = _without_other_heaps(plan), plan.block_bytes, plan.output_bytes
+        total, block, outputs = plan.total_bytes, plan.block_bytes, plan.output_bytes
         beside, reasons = self.beside(held), []
         if beside + block + outputs > max(total, limit):
             reasons.append(f"the call allocates {format_size(block + outputs)} (its outputs and its block of "
@@ -490,12 +489,13 @@ class Budget:
                            f"among it): {format_size(beside + block + outputs)}, over {format_size(limit)}")
         elif total > limit:
             reasons.append(f"XLA plans {format_size(total)}, over {format_size(limit)}")
-        room = self.block_room(total, block, held, other_bytes=outputs, limit=limit)
+        one_block = _without_other_heaps(plan)  # the other heaps are the replay's, below
+        room = self.block_room(one_block, block, held, other_bytes=outputs, limit=limit)
         if block > room:
-            grown = max(held.peak + outputs, total - block)
-            which = ("the call's outputs and the allocator's peak" if held.peak + outputs >= total - block
+            grown = max(held.peak + outputs, one_block - block)
+            which = ("the call's outputs and the allocator's peak" if held.peak + outputs >= one_block - block
                      else "XLA's other buffers (parameters, outputs, constants)")
-            left = limit - self._grown_before(total, block, held, outputs)
+            left = limit - self._grown_before(one_block, block, held, outputs)
             where = (f"regions of up to {REGION_SLACK:g}× {which}, {format_size(grown)}"
                      + (f" (at least the allocator's first, {format_size(held.regions)})"
                         if REGION_SLACK * grown < held.regions else "")
