@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +48,11 @@ IN_PLACE_UPDATE_OPS = frozenset({"TensorScatterAdd", "TensorScatterSub", "Tensor
 # 2.25×; Digamma, Zeta, Erfinv, Ndtri, the Bessel functions, erf, exp ≤ 1.4×; Betainc 1.4×
 # there, but 2.35× for fuzz 14's Student-t CDFs over [1500, 1400] float32).
 # A program with one of them is never judged by its estimate alone.
+# The scopes in which late passes replace a node by ops of their own, named after it:
+# `bands_as_selects` (`B_as_select/...`) and the split stage's diagonal lowering
+# (`D_lowered/...`). XLA's names for those ops stand for the node before the pass ran.
+LOWERED_SCOPE_SUFFIXES = ("_as_select", "_lowered")
+_LOWERED_SCOPE = re.compile(rf"(.+)(?:{'|'.join(LOWERED_SCOPE_SUFFIXES)})/[^/]+$")
 XLA_EXPANDED_OPS = frozenset({"Igamma", "Igammac", "IgammaGradA", "Lgamma", "Polygamma", "Betainc"})
 # Ops that make a TensorList: a loop's store of a value from every iteration (what a
 # gradient through a `while_loop`, `map_fn` or `scan` keeps for the backward pass). How
@@ -830,9 +836,17 @@ def graph_node_for(graph: Graph, xla_name: str) -> str | None:
         'Cholesky'
     """
     name = xla_name.split(" (", 1)[0]
-    for candidate in (name, name.split("/", 1)[-1]):
+    candidates = (name, name.split("/", 1)[-1])
+    for candidate in candidates:
         if candidate in graph:
             return candidate
+    # An op a late pass made in place of a node, in a scope named after it
+    # (`bands_as_selects`: `B_as_select/SelectV2` for `B`), stands for that node in the
+    # graph before the pass ran: the XLA-peak passes see the graph before it.
+    for candidate in candidates:
+        lowered = _LOWERED_SCOPE.match(candidate)
+        if lowered is not None and lowered.group(1) in graph:
+            return lowered.group(1)
     return None
 
 

@@ -55,10 +55,12 @@ XLA_SHRINK_RULE = "ShrinkLoopAtXlaPeak"
 XLA_EARLIER_RULE = "ReduceBeforeXlaPeak"
 # The rule of `rewrites.split.held.reduce_held_before_xla_peak`: what XLA held across its peak to fold, folded first.
 XLA_HELD_RULE = "ReduceHeldBeforeXlaPeak"
+# The rule of `rewrites.split.whole_input.whole_input_before_xla_peak`: a factorization's input made whole first.
+XLA_WHOLE_RULE = "WholeInputBeforeXlaPeak"
 # The rule of `rewrites.split.planner.Planner`: a region split into loop chunks (or why not).
 SPLIT_RULE = "SplitOversizedRegions"
 # The rules that act on XLA's peak (`PassContext.xla_peaks`): a plan they change is compiled and checked again.
-XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE})
+XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_WHOLE_RULE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +343,9 @@ class Report:
         for earlier in (r for r in self.splits if "before" in r.details):
             if earlier.rule == XLA_HELD_RULE:  # rewrites.split.held
                 split += f"; {earlier.details['tensor']} folded in a loop before {earlier.details['before']}, not held"
+            elif earlier.rule == XLA_WHOLE_RULE:  # rewrites.split.whole_input
+                split += (f"; {earlier.details['tensor']} made whole in a loop before {earlier.details['before']}, "
+                          "its operands not held")
             else:  # rewrites.split.earlier
                 split += f"; {earlier.details['results']} reduced before XLA makes {earlier.details['before']}"
         if self.budget is None:

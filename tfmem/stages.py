@@ -43,6 +43,7 @@ from tfmem.memory import (TENSOR_LIST_OPS, MemoryEstimate, XlaPlan, estimate_mem
                           xla_plan_or_refusal)
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_PEAK_RULE,
+                          XLA_WHOLE_RULE,
                           XLA_PEAK_RULES, XLA_SHRINK_RULE, Report)
 
 
@@ -549,6 +550,8 @@ def _xla_peak_change(record: RewriteRecord) -> str:
         return f"{record.details.get('tensor')} reduced before {record.details.get('before')}"
     if record.rule == XLA_HELD_RULE:
         return f"{record.details.get('tensor')} folded before {record.details.get('before')}"
+    if record.rule == XLA_WHOLE_RULE:
+        return f"{record.details.get('tensor')} made whole before {record.details.get('before')}"
     return f"{record.details.get('tensor')} made again after XLA's peak"
 
 
@@ -709,4 +712,4 @@ def _never_worse_than_written(traced: Traced, config: Config, compiled: Compiled
 
 _REPLANS = 2
 # Rounds of rule 3 (`_plan_around_xla_peaks`), each one more compile of a plan over XLA's share.
-_XLA_PEAK_ROUNDS = 2
+_XLA_PEAK_ROUNDS = 3

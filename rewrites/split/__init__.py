@@ -35,9 +35,10 @@ from rewrites.split.op_rules import SUPPORTED_OPS
 from rewrites.split.earlier import reduce_before_xla_peak
 from rewrites.split.held import reduce_held_before_xla_peak
 from rewrites.split.recompute import recompute_across_xla_peak
+from rewrites.split.whole_input import whole_input_before_xla_peak
 
 __all__ = ["RecomputeAcrossXlaPeak", "ReduceBeforeXlaPeak", "ReduceHeldBeforeXlaPeak", "SplitOversizedRegions",
-           "SUPPORTED_OPS"]
+           "WholeInputBeforeXlaPeak", "SUPPORTED_OPS"]
 
 
 class SplitOversizedRegions(GraphPass):
@@ -121,3 +122,13 @@ class ReduceHeldBeforeXlaPeak(_ActOnXlaPeaks):
 
     name = "reduce_held_before_xla_peak"
     act = staticmethod(reduce_held_before_xla_peak)
+
+
+class WholeInputBeforeXlaPeak(_ActOnXlaPeaks):
+    """Writes out first what XLA computed a factorization from, when a plan XLA compiled
+    did not fit: when XLA peaks in a Cholesky factorization whose input cheap ops make,
+    and holds that input's operands there to compute its blocks, the input is made whole
+    in a loop of one trip before it (`whole_input.whole_input_before_xla_peak`)."""
+
+    name = "whole_input_before_xla_peak"
+    act = staticmethod(whole_input_before_xla_peak)

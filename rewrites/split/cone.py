@@ -62,7 +62,12 @@ def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Calla
         for ref in graph.inputs(name):
             nbytes = graph.nbytes(ref)
             if nbytes is None:
-                return f"{tensor.name} is made from {ref.name}, whose shape is not static"
+                if graph.node(ref.node).op in _HELD_ANYWAY or not graph.inputs(ref.node):
+                    return f"{tensor.name} is made from {ref.name}, whose shape is not static"
+                # Sized by a value (GPflow's `eye(num_data)`, num_data a variable): no leaf
+                # of unknown size, so it is made again too, from what sizes it.
+                stack.append(ref.node)
+                continue
             if is_small_constant(graph, ref):
                 stack.append(ref.node)  # copied with the cone
             elif nbytes <= leaf_limit or (resident_leaves and graph.node(ref.node).op in _HELD_ANYWAY):

@@ -145,6 +145,19 @@ def readers_after(graph: Graph, tensor: TensorRef, peak_node: str, xla_order: Ma
     return [(reader, slot) for reader, slot in readers if runs_after(reader)]
 
 
+def fused_positions(graph: Graph, xla_order: Mapping[str, int]) -> dict[str, int]:
+    """`xla_order` with a position for the ops XLA fused into others: each runs inside
+    the first of its readers that has a step of its own (a reader of a kernel matrix's
+    distances, fused into the gradient's product with it, runs where that product runs)."""
+    positions = dict(xla_order)
+    for name in reversed(graph.topological_order()):
+        if name not in positions:
+            steps = [positions[reader] for reader in graph.node_consumers(name) if reader in positions]
+            if steps:
+                positions[name] = min(steps)
+    return positions
+
+
 def _through_identities(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]]:
     """The readers of `tensor`, looking through `Identity` ops (the split stage hands a
     loop its inputs through them; XLA runs none): each reads the same value, and a
@@ -187,7 +200,8 @@ def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, i
 
 
 def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
-                  estimate: MemoryEstimate | None = None, *, tie: TensorRef | None = None) -> TensorRef:
+                  estimate: MemoryEstimate | None = None, *, tie: TensorRef | None = None,
+                  inside_readers: Mapping[TensorRef, Sequence[tuple[str, int]]] | None = None) -> TensorRef:
     """Makes a copy of `cone` for `readers` (see the module docstring), after `tie`, or
     without one after the last made input of the first of them in the estimate's
     schedule; rewires them to it and returns the copy's tensor. Raises GraphError when
@@ -218,10 +232,89 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     copied = TensorRef(renamed[cone.tensor.node], cone.tensor.index)
     for reader, slot in readers:
         graph.set_input(reader, slot, copied)
+    for inside, its_readers in (inside_readers or {}).items():
+        for reader, slot in its_readers:
+            graph.set_input(reader, slot, TensorRef(renamed[inside.node], inside.index))
     check_one_evaluation(graph, cone.nodes, {TensorRef(renamed[name], i): (name,) for name in cone.nodes
                                              for i in range(len(graph.output_specs(name)))})
     return copied
 
+
+def _fused_from(graph: Graph, tensor: TensorRef, xla_order: Mapping[str, int], *, least: int) -> list[TensorRef]:
+    """`tensor` and what XLA makes from it inside other ops: the outputs of its readers
+    with no step of their own in XLA's schedule, and theirs, and so on. XLA holds a
+    buffer for a late reader of any of them: a Matérn kernel's `1 + √5·r + 5/3·r²`,
+    never written out, keeps the distances `r` alive for the gradient that reads it."""
+    found, frontier = [tensor], [tensor.node]
+    seen = {tensor.node}
+    while frontier:
+        for reader in graph.node_consumers(frontier.pop()):
+            if (reader in seen or reader in xla_order or graph.node(reader).op not in CHEAP_OPS
+                    or graph.largest_output_bytes(reader) < least):
+                continue  # an op of its own (a product's XLA may not name), or a small result held instead
+            seen.add(reader)
+            frontier.append(reader)
+            found.extend(TensorRef(reader, i) for i in range(len(graph.output_specs(reader))))
+    return found
+
+
+def _held_for_late_readers(graph: Graph, tensor: TensorRef, peak_node: str, own_steps: Mapping[str, int],
+                           positions: Mapping[str, int], *, least: int) -> list[tuple[TensorRef, list[tuple[str, int]]]]:
+    """Each tensor made from `tensor` (itself or fused from it, `_fused_from`) that
+    readers after XLA's peak read, with those readers: what they read is made again for
+    them, so that nothing after the peak keeps `tensor` alive. `own_steps`: the ops with a
+    step of their own in XLA's schedule; `positions`: every op's (`fused_positions`)."""
+    fused = _fused_from(graph, tensor, own_steps, least=least)
+    inside = {ref.node for ref in fused}
+    held = []
+    for ref in fused:
+        readers = [(reader, slot) for reader, slot in readers_after(graph, ref, peak_node, positions)
+                   if reader not in inside]
+        if readers:
+            held.append((ref, readers))
+    return held
+
+
+def _recompute_held(graph: Graph, tensor: TensorRef, readers: list[tuple[str, int]], leaf_limit: int,
+                    xla_peak: MemoryEstimate, peak_node: str, positions: Mapping[str, int],
+                    pass_name: str) -> RewriteRecord:
+    """Makes `tensor` again from its cheap cone for `readers`, after the op at XLA's peak;
+    the readers after the peak of what the cone makes on the way read the copy's too."""
+    node = tensor.node
+    cone = cheap_cone(graph, tensor, leaf_limit=max(1, leaf_limit), factorizations=True)
+    if isinstance(cone, str):
+        return RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", (node,), kind="split", reason=(
+            f"held across XLA's peak at {xla_peak.peak_node}, not made again: {cone}"))
+    # The copy waits for what its first reader reads last in XLA's order, or else for the
+    # op at the peak: made just before its readers, not held from the peak to them.
+    tie = _tie(graph, cone, [reader for reader, _ in readers], dict(positions), peak_node) or TensorRef(peak_node)
+    # What the cone makes on the way, read after the peak too, is read from the copy, by
+    # each reader the tie does not wait for (the copy waits for the tie).
+    waited_for = graph.ancestors(tie.node) | {tie.node}
+    inside_readers = {}
+    for name in cone.nodes:
+        for i in range(len(graph.output_specs(name))):
+            ref = TensorRef(name, i)
+            late = [(reader, slot) for reader, slot in readers_after(graph, ref, peak_node, positions)
+                    if reader not in cone.nodes and reader not in waited_for]
+            if ref != tensor and late:
+                inside_readers[ref] = late
+    checkpoint = graph.copy()
+    try:
+        recompute_for(graph, cone, readers, tie=tie, inside_readers=inside_readers)
+    except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
+        graph.assign(checkpoint)
+        return RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", (node,), kind="split",
+                             reason=f"held across XLA's peak, not made again: {first_line(err)}")
+    spec = graph.spec(tensor)
+    names = ", ".join(reader for reader, _ in readers)
+    return RewriteRecord(
+        pass_name, XLA_PEAK_RULE, "fired", (node,), kind="split",
+        reason=f"XLA holds it across its peak at {xla_peak.peak_node} ({format_size(xla_peak.peak_bytes)}): made "
+               f"again from {', '.join(leaf.name for leaf in cone.leaves) or 'constants'} for {names}",
+        details={"tensor": tensor.name, "bytes": graph.nbytes(tensor) or 0,
+                 "shape": f"{spec.dtype.name}{spec.shape.as_list()}", "recomputed_for": names,
+                 "nodes": len(cone.nodes)})
 
 def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,
                               *, worth: int = 16) -> list[RewriteRecord]:
@@ -238,11 +331,11 @@ def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name:
     it only if XLA's plan then fits better. Returns a record per tensor tried.
     """
     peak_node = graph_node_for(graph, xla_peak.peak_node or "")
-    xla_order = xla_schedule(graph, xla_peak)
-    if peak_node is None or peak_node not in xla_order:
+    own_steps = xla_schedule(graph, xla_peak)
+    if peak_node is None or peak_node not in own_steps:
         return [RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", kind="split", reason=(
             f"XLA's peak, at {xla_peak.peak_node}, is at no op of the program's own graph"))]
-    tie = TensorRef(peak_node)  # the copies are made after the op at XLA's peak
+    positions = fused_positions(graph, own_steps)
     records: list[RewriteRecord] = []
     tried: set[TensorRef] = set()
     for live in xla_peak.live_at_peak:
@@ -256,29 +349,9 @@ def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name:
         if tensor is None or tensor in tried:
             continue
         tried.add(tensor)
-        readers = readers_after(graph, tensor, peak_node, xla_order)
-        if not readers:
-            continue  # read at the peak, or by nothing that may run after it
-        cone = cheap_cone(graph, tensor, leaf_limit=max(1, live.nbytes // worth), factorizations=True)
-        if isinstance(cone, str):
-            records.append(RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", (node,), kind="split", reason=(
-                f"held across XLA's peak at {xla_peak.peak_node}, not made again: {cone}")))
-            continue
-        checkpoint = graph.copy()
-        try:
-            recompute_for(graph, cone, readers, tie=tie)
-        except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
-            graph.assign(checkpoint)
-            records.append(RewriteRecord(pass_name, XLA_PEAK_RULE, "rejected", (node,), kind="split",
-                                         reason=f"held across XLA's peak, not made again: {first_line(err)}"))
-            continue
-        spec = graph.spec(tensor)
-        names = ", ".join(reader for reader, _ in readers)
-        records.append(RewriteRecord(
-            pass_name, XLA_PEAK_RULE, "fired", (node,), kind="split",
-            reason=f"XLA holds it across its peak at {xla_peak.peak_node} ({format_size(xla_peak.peak_bytes)}): made "
-                   f"again from {', '.join(leaf.name for leaf in cone.leaves) or 'constants'} for {names}",
-            details={"tensor": tensor.name, "bytes": live.nbytes, "shape": f"{spec.dtype.name}{spec.shape.as_list()}",
-                     "recomputed_for": names, "nodes": len(cone.nodes)}))
+        for held, readers in _held_for_late_readers(graph, tensor, peak_node, own_steps, positions,
+                                                    least=live.nbytes // 2):
+            records.append(_recompute_held(graph, held, readers, live.nbytes // worth, xla_peak, peak_node,
+                                           positions, pass_name))
     graph.prune()
     return records

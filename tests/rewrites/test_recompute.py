@@ -19,10 +19,11 @@ import tfmem
 from rewrites import passes_for
 from rewrites.solve_in_place import SolveInPlace
 from rewrites.split.order import computed_after, input_to_tie
-from rewrites.split.recompute import MAX_INNER, cheap_cone, recompute_for
+from rewrites.split.recompute import MAX_INNER, cheap_cone, recompute_across_xla_peak, recompute_for
 from tfmem.capture import capture
 from tfmem.graph import GraphError, TensorRef
-from tfmem.memory import estimate_memory
+from tfmem.memory import LiveTensor, MemoryEstimate, estimate_memory, graph_node_for
+from tfmem.testing import run_graph
 
 RECOMPUTE = "RecomputeForLateReaders"
 
@@ -375,3 +376,71 @@ def test_each_xla_peak_is_acted_on_only_by_the_rules_its_plan_was_kept_with():
         context = PassContext(tfmem.Config(), xla_peaks=(older, newer), peak_rules=rules)
         Recorder().run(graph, context)
         assert seen == acted_on, (rules, seen)
+
+
+def held_through_a_fused_map(x, g):
+    """`a = 1 + 2r` is read early (beside e^{-r}) and late (by the product after the peak):
+    XLA writes out only r, computes `a` inside both readers, and so holds r across the
+    peak for the late one."""
+    r = tf.sqrt(x * x + 1.0)
+    a = 1.0 + 2.0 * r
+    early = tf.reduce_sum(a * tf.exp(-r))
+    p = tf.matmul(g, g)
+    return early, tf.reduce_sum(p * a)
+
+
+def _synthetic_xla_peak(graph, at: str, held: list[str], order: list[str], n: int) -> MemoryEstimate:
+    """An XLA live set at its peak at node `at`, holding the [n, n] outputs of `held`, with
+    `order` the nodes that have a step of their own in XLA's schedule."""
+    whole = n * n * 8
+    tensors = tuple(LiveTensor(f"tfmem_f/{name}", whole, (n, n), "float64") for name in held)
+    return MemoryEstimate(len(held) * whole, f"tfmem_f/{at}", tensors,
+                          steps={f"tfmem_f/{name}": (i * whole, 0) for i, name in enumerate(order)})
+
+
+def test_what_xla_holds_for_a_late_reader_of_a_map_it_fused_is_made_again_for_that_reader(rng):
+    n = 300
+    spec = tf.TensorSpec([n, n], tf.float64)
+    concrete = tf.function(held_through_a_fused_map).get_concrete_function(spec, spec)
+    graph = capture(concrete).to_graph()
+    [sqrt], [matmul] = graph.find("Sqrt"), graph.find("MatMul")
+    [early_sum, late_sum] = list(graph.find("Sum"))
+    late = next(reader for reader, _ in graph.consumers(TensorRef(matmul.name)))
+    # XLA's steps: r, the early sum, the product (its peak), the late product and sum.
+    peak = _synthetic_xla_peak(graph, matmul.name, [sqrt.name],
+                               [sqrt.name, early_sum.name, matmul.name, late, late_sum.name], n)
+    records = recompute_across_xla_peak(graph, peak, "test")
+    fired = [r for r in records if r.status == "fired"]
+    assert len(fired) == 1 and graph.node(fired[0].details["tensor"].split(":")[0]).op == "AddV2", records
+    assert fired[0].details["recomputed_for"] == late
+    # The late product reads a copy of `a`; the original `a` stays with the early reader.
+    [copy] = [ref for ref in graph.inputs(late) if ref.node != matmul.name]
+    assert copy.node.startswith("tfmem_recompute"), copy
+    graph.topological_order()  # no cycle
+    x, g = (tf.constant(rng.normal(size=(n, n))) for _ in range(2))
+    got, want = run_graph(graph, concrete, [x, g]), concrete(x, g)
+    assert [float(v) for v in got] == [float(v) for v in want]
+
+
+def test_an_xla_name_a_late_pass_made_in_a_nodes_scope_stands_for_that_node():
+    graph = _graph(lambda x: tf.linalg.band_part(x @ x, -1, 0), tf.TensorSpec([4, 4], tf.float64))
+    [band] = graph.find("MatrixBandPart")
+    assert graph_node_for(graph, f"tfmem_f/{band.name}_as_select/SelectV2") == band.name
+    assert graph_node_for(graph, f"tfmem_f/{band.name}_lowered/Select") == band.name
+    assert graph_node_for(graph, f"tfmem_f/{band.name}_as_select") is None  # the scope alone is no op
+    assert graph_node_for(graph, "tfmem_f/elsewhere_as_select/SelectV2") is None
+
+
+def test_a_cone_grows_through_a_matrix_sized_by_a_variable():
+    # GPflow's `eye(num_data)` with num_data a variable: [None, None] until it runs.
+    num_data = tf.Variable(200)
+
+    def jittered(x):
+        return tf.exp(tf.matmul(x, x, transpose_b=True)) + 1e-6 * tf.eye(tf.convert_to_tensor(num_data), dtype=x.dtype)
+
+    graph = _graph(jittered, tf.TensorSpec([200, 3], tf.float64))
+    [add] = graph.find("AddV2")
+    cone = cheap_cone(graph, TensorRef(add.name), leaf_limit=200 * 200 * 8 // 16)
+    assert not isinstance(cone, str), cone
+    assert "MatrixDiagV3" in {graph.node(name).op for name in cone.nodes}  # the eye, made again
+    assert all(graph.nbytes(leaf) is not None for leaf in cone.leaves)
