@@ -35,12 +35,14 @@ class Cone:
 
 
 def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Callable[[str], str | None],
-              max_nodes: int = 128, resident_leaves: bool = False) -> Cone | str:
+              max_nodes: int = 128, resident_leaves: bool = False, sized_by_values: bool = False) -> Cone | str:
     """The cone of `tensor` (see the module docstring), or why there is none.
 
     `refuse(node)`: why that node may not be made again (None: it may). Nodes with
     side effects or control inputs never may. `resident_leaves`: inputs of the program
     and reads of its variables (held to the end anyway) are leaves whatever their size.
+    `sized_by_values`: a tensor whose shape a value decides is made again too (never in a
+    loop's body: XLA must know every shape there when it compiles the loop).
     """
     nodes: set[str] = set()
     leaves: list[TensorRef] = []
@@ -62,7 +64,7 @@ def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Calla
         for ref in graph.inputs(name):
             nbytes = graph.nbytes(ref)
             if nbytes is None:
-                if graph.node(ref.node).op in _HELD_ANYWAY or not graph.inputs(ref.node):
+                if not sized_by_values or graph.node(ref.node).op in _HELD_ANYWAY or not graph.inputs(ref.node):
                     return f"{tensor.name} is made from {ref.name}, whose shape is not static"
                 # Sized by a value (GPflow's `eye(num_data)`, num_data a variable): no leaf
                 # of unknown size, so it is made again too, from what sizes it.

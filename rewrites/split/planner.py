@@ -464,7 +464,8 @@ class Planner:
         if not readers:
             return None
         nbytes, spec = graph.nbytes(seed) or 0, graph.spec(seed)
-        cone = cheap_cone(graph, seed, leaf_limit=max(1, nbytes // _WORTH_SPLITTING))
+        cone = cheap_cone(graph, seed, leaf_limit=max(1, nbytes // _WORTH_SPLITTING),
+                          in_loop=not self.assemble_returned)
         if isinstance(cone, str):
             return None  # most tensors at a peak are not cheap: not worth a record each
         checkpoint = self._checkpoint()

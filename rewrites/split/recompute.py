@@ -25,7 +25,12 @@ XLA's schedule is not the estimate's, and its peak can be elsewhere. When a plan
 compiled does not fit, `recompute_across_xla_peak` does the same for what XLA's own live
 set at its peak shows held there (`XlaPlan.peak`), a Cholesky factor included, with the
 readers XLA runs after its peak; XLA's next plan decides whether it stays
-(`tfmem.stages.compile_within_budget`).
+(`tfmem.stages.compile_within_budget`). XLA holds a buffer for a late reader of any map
+it fused from it, too: a Matérn kernel's `1 + √5·r + 5/3·r²` is never written out, and a
+gradient that reads it late keeps `r` alive. Such a map is made again for its late
+readers (`_fused_from`), and each copy waits for what its first reader reads last in
+XLA's order, so that XLA makes it just before its readers rather than just after the
+peak (where it would be held until them).
 
 Example (GPflow SGPR loss and gradients; `Exp_1` is the inducing points' kernel matrix):
     >>> cone = cheap_cone(graph, TensorRef("Exp_1"), leaf_limit=2**20)
@@ -86,14 +91,16 @@ def _inner_dimension(graph: Graph, name: str) -> int | None:
     return shape[-2] if adjoint else shape[-1]
 
 
-def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizations: bool = False) -> Cone | str:
+def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizations: bool = False,
+               in_loop: bool = False) -> Cone | str:
     """The cheap ops that make `tensor` from inputs of at most `leaf_limit` bytes (or
     inputs of the program, held anyway); or why there are none.
 
     Cheap: elementwise maps, broadcasts and reshapes, reductions, diagonal edits, and
     products whose inner dimension is at most `MAX_INNER`; with `factorizations`, a
     Cholesky factor too. Anything else over `leaf_limit` — a product over the data — is
-    not recomputed.
+    not recomputed. `in_loop`: for a loop's body, where XLA must know every shape when
+    it compiles: nothing sized by a value (GPflow's `eye(num_data)`, num_data a variable).
     """
     def refuse(name: str) -> str | None:
         op = graph.node(name).op
@@ -107,7 +114,7 @@ def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizatio
         return None if op in CHEAP_OPS else f"{tensor.name} is made by {name} ({op}), which is not cheap to recompute"
 
     return grow_cone(graph, tensor, leaf_limit=leaf_limit, refuse=refuse, max_nodes=_MAX_CONE_NODES,
-                     resident_leaves=True)
+                     resident_leaves=True, sized_by_values=not in_loop)
 
 
 def late_readers(graph: Graph, tensor: TensorRef, estimate: MemoryEstimate) -> list[tuple[str, int]]:

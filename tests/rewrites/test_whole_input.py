@@ -120,3 +120,18 @@ def test_programs_with_the_input_made_whole_equal_stock(n):
     assert [r for r in report.records if r.rule == WHOLE and r.status == "fired"], report.summary()
     np.testing.assert_allclose(float(wrapped(x)), float(tf.function(matern52_logdet, jit_compile=True)(x)),
                                rtol=1e-12)
+
+
+def test_an_input_sized_by_a_variable_is_not_made_in_a_loop():
+    # GPflow VGP's `eye(num_data)`, num_data a variable: XLA knows its size when it compiles
+    # the program, not inside a loop's body. The input stays as it is.
+    num_data = tf.Variable(N)
+
+    def jittered_logdet(x):
+        r = _distances(x)
+        k = (1.0 + SQRT5 * r) * tf.exp(-SQRT5 * r) + 1e-3 * tf.eye(tf.convert_to_tensor(num_data), dtype=x.dtype)
+        return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(tf.linalg.cholesky(k))))
+
+    graph = _graph(jittered_logdet)
+    [record] = whole_input_before_xla_peak(graph, _xla_peak(graph, "Cholesky", ["MatMul", "Sqrt", "Exp"]), "test")
+    assert record.status == "rejected" and "whose shape is not static" in record.reason, record
