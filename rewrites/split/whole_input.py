@@ -20,10 +20,14 @@ K alone:
 The same operands stay outside for any other reader. XLA's next plan decides whether the
 change stays (`tfmem.stages.compile_within_budget`).
 
-Example (GPflow VGP, Matérn-5/2, N=2,000 under 192 MiB: XLA's peak is the Cholesky):
+Not for an input sized by a value (GPflow VGP's `eye(num_data)`, `num_data` a variable):
+XLA must know every shape in a loop's body when it compiles the loop.
+
+Example (the log-determinant of a Matérn-5/2 kernel matrix plus jitter, n=2,000, under
+110 MiB; XLA's peak is the Cholesky, where stock XLA plans 133.8 MiB and this 72.7 MiB):
     >>> [record] = whole_input_before_xla_peak(graph, plan.peak, "whole_input_before_xla_peak")
     >>> record.details["tensor"], record.details["before"]
-    ('AddN_1', 'Cholesky')
+    ('add_diagonal/set_diag', 'Cholesky')
 """
 from __future__ import annotations
 
