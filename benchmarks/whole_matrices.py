@@ -1,6 +1,6 @@
 """Issue 19: how many whole [M, M] / [n, n] matrices Cholesky-based programs keep alive.
 
-    python -m benchmarks.whole_matrices [--only=sgpr,gpr,sgpr_100k,solve_wide,speed] [--json=benchmarks/whole_matrices.json]
+    python -m benchmarks.whole_matrices [--only=sgpr,gpr,sgpr_100k,gpr_matern,solve_wide,speed] [--json=benchmarks/whole_matrices.json]
     python -m benchmarks.whole_matrices --render=benchmarks/whole_matrices.json   # WHOLE_MATRICES.md again
 
 Each trial runs in its own process with TensorFlow's BFC allocator limited to the case's
@@ -14,6 +14,7 @@ median step times (later calls; the first call compiles).
     sgpr        GPflow SGPR (SE, D=3) loss+gradients, N=20,000, 512 MiB, M = 1500 … 4000
     sgpr_100k   the same with N=100,000, 1 GiB, M = 2000 … 5000
     gpr         GPflow GPR (SE, D=3) loss+gradients, 512 MiB, n = 3000 … 5600
+    gpr_matern  GPflow GPR (Matérn-5/2, D=3) log marginal likelihood, 512 MiB, n = 3500 … 5300
     solve_wide  L⁻¹ K(Z, X) with L [1000, 1000], K(Z, X) [1000, n] f64, 512 MiB, n = 20,000 … 40,000
     speed       SGPR N=20,000 M=1000, GPR n=2000 and 4300 (in-place solves), stock XLA against tfmem (no limit)
 
@@ -53,6 +54,19 @@ def gpr_step(n: int) -> Program:
         return loss, tape.gradient(loss, model.trainable_variables)
 
     return step, ()
+
+
+def gpr_matern_objective(n: int) -> Program:
+    """GPflow GPR's log marginal likelihood with a Matérn-5/2 kernel on synthetic 3-d data:
+    no gradient (an objective evaluated for model selection), so XLA's peak is the Cholesky,
+    which stock XLA computes from the kernel's `XXᵀ`, `r` and `e^{-√5·r}` held whole."""
+    import gpflow
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-3, 3, size=(n, 3))
+    y = np.sin(x).sum(-1, keepdims=True) + 0.1 * rng.normal(size=(n, 1))
+    model = gpflow.models.GPR((x, y), gpflow.kernels.Matern52(lengthscales=[1.0] * 3))
+    return model.log_marginal_likelihood, ()
 
 
 def solve_wide(n: int, m: int = 1000) -> Program:
@@ -96,6 +110,8 @@ CASES: dict[str, Case] = {c.name: c for c in [
          "[M, M]", lambda m: m * m * 8),
     Case("gpr", "GPflow GPR (SE, D=3) loss + gradients, size = n", 512, (3000, 3500, 4000, 4300, 4500, 4700, 5000, 5300, 5600), gpr_step,
          "[n, n]", lambda n: n * n * 8),
+    Case("gpr_matern", "GPflow GPR (Matérn-5/2, D=3) log marginal likelihood, no gradient, size = n", 512,
+         (3500, 4000, 4500, 5000, 5300), gpr_matern_objective, "[n, n]", lambda n: n * n * 8),
     Case("solve_wide", "Triangular solve with a wide right-hand side: Σ (L⁻¹ K(Z, X))² over rows, "
          "L [1000, 1000], K(Z, X) [1000, n], size = n", 512, (20_000, 30_000, 40_000), solve_wide,
          "[1000, n]", lambda n: 1000 * n * 8),
