@@ -285,8 +285,9 @@ def _held_for_late_readers(graph: Graph, tensor: TensorRef, peak_node: str, own_
 def _recompute_held(graph: Graph, tensor: TensorRef, readers: list[tuple[str, int]], leaf_limit: int,
                     xla_peak: MemoryEstimate, peak_node: str, positions: Mapping[str, int],
                     pass_name: str) -> RewriteRecord:
-    """Makes `tensor` again from its cheap cone for `readers`, after the op at XLA's peak;
-    the readers after the peak of what the cone makes on the way read the copy's too."""
+    """Makes `tensor` again from its cheap cone for `readers` (a Cholesky factor may be in
+    it), just before the first of them in XLA's order; the readers after XLA's peak of what
+    the cone makes on the way read the copy's too. Returns the record: fired or rejected."""
     node = tensor.node
     cone = cheap_cone(graph, tensor, leaf_limit=max(1, leaf_limit), factorizations=True)
     if isinstance(cone, str):
@@ -322,6 +323,7 @@ def _recompute_held(graph: Graph, tensor: TensorRef, readers: list[tuple[str, in
         details={"tensor": tensor.name, "bytes": graph.nbytes(tensor) or 0,
                  "shape": f"{spec.dtype.name}{spec.shape.as_list()}", "recomputed_for": names,
                  "nodes": len(cone.nodes)})
+
 
 def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str,
                               *, worth: int = 16) -> list[RewriteRecord]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tfmem
 from rewrites.split.whole_input import whole_input_before_xla_peak
@@ -135,3 +137,22 @@ def test_an_input_sized_by_a_variable_is_not_made_in_a_loop():
     graph = _graph(jittered_logdet)
     [record] = whole_input_before_xla_peak(graph, _xla_peak(graph, "Cholesky", ["MatMul", "Sqrt", "Exp"]), "test")
     assert record.status == "rejected" and "whose shape is not static" in record.reason, record
+
+
+def matern32_logdet_plus_trace(x: tf.Tensor) -> tf.Tensor:
+    """A Matérn-3/2 kernel with its own jitter, and a second reader of the factor."""
+    r = _distances(x / 0.7)
+    k = (1.0 + np.sqrt(3.0) * r) * tf.exp(-np.sqrt(3.0) * r)
+    chol = tf.linalg.cholesky(k + 0.05 * tf.eye(x.shape[0], dtype=x.dtype))
+    return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(chol))) + tf.reduce_sum(chol ** 2)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)  # each compiles ~3 programs
+@given(n=st.integers(400, 900), program=st.sampled_from([matern52_logdet, matern32_logdet_plus_trace]),
+       share=st.sampled_from([3.2, 3.6]))
+def test_property_programs_with_a_factorizations_input_made_whole_equal_stock(n, program, share):
+    x = tf.constant(np.random.default_rng(n).uniform(0, 1, (n, 3)))
+    wrapped = tfmem.function(program, config=tfmem.Config(memory_budget=f"{int(share * n * n * 8)}B"))
+    report = wrapped.report(x)
+    assert [r for r in report.records if r.rule == WHOLE and r.status == "fired"], report.summary()
+    np.testing.assert_allclose(float(wrapped(x)), float(tf.function(program, jit_compile=True)(x)), rtol=1e-12)
