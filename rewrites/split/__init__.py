@@ -15,7 +15,11 @@ like a program of its own (`sink`); when that loop is differentiated, TensorFlow
 loop sums K's gradient whole, and that sum is collected as outer products and formed after
 the loop, where it splits (`accumulators`). A whole matrix that is cheap to make (a
 kernel matrix from its inputs) and is held across the peak only for readers after it
-is made again for them instead (`recompute`).
+is made again for them instead (`recompute`). When XLA's own plan does not fit, rules read
+its live set at its peak: what it holds there for later readers is made again for them
+(`recompute`), a loss term it reduced there is reduced first (`earlier`), a big tensor it
+holds only to fold later is folded first (`held`), and a Cholesky factorization it computes
+from its fused input's operands gets that input made whole first (`whole_input`).
 
 Conditions: static shapes; ops on the path must have a split rule (`op_rules`); a region's
 results must be sinks (reductions, contractions, top-k, arg-max/min) or tensors small
