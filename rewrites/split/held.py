@@ -33,6 +33,7 @@ Example (GPflow VGP, Linear kernel, N=2,000 under 192 MiB; `dq` is XLA's `dot.15
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -43,7 +44,7 @@ from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_HELD_RULE
 
 from rewrites.split.fragment import fragment
-from rewrites.split.order import can_order, computed_after, input_to_tie, made_from_inputs
+from rewrites.split.order import can_order, computed_after, input_to_tie, made_from_inputs, once_in_a_loop
 from rewrites.split.recompute import CHEAP_OPS, PRODUCT_OPS
 
 # A fold may pass through this many ops before its results are small or summed.
@@ -249,30 +250,17 @@ def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
 
     def build(*values: tf.Tensor) -> list[tf.Tensor]:
         given = dict(zip(feeds, values))
-        first = tf.reshape(given[fold.source], [-1])[0]  # a float: candidates pass `order.can_order`
-        unknown = tf.math.not_equal(first, first)
-        # One trip, or two when the first element is NaN: XLA cannot count them, so it
-        # keeps the loop (the body computes the same each trip).
-        start = -tf.cast(unknown, tf.int32)
 
-        def first_values() -> list[tf.Tensor]:
-            # Made from `unknown`, so XLA makes them just before the loop, not at the start.
-            return [tf.fill(spec.shape, tf.cast(unknown, spec.dtype) * tf.zeros([], spec.dtype))
-                    if spec.dtype.is_floating else tf.zeros(spec.shape, spec.dtype) for spec in specs]
-
-        def body(i: tf.Tensor, *_: tf.Tensor) -> list[tf.Tensor]:
+        def fold_once(through: Callable[[tf.Tensor], tf.Tensor]) -> list[tf.Tensor]:
             local = {key: tf.identity(t) for key, t in given.items()}
-            # Read through the trip counter, so that XLA cannot hoist the fold out of the loop.
-            source = local[fold.source]
-            local[fold.source] = source - tf.cast(i < -2, source.dtype) * tf.zeros([], source.dtype)
+            local[fold.source] = through(local[fold.source])  # the fold is not hoisted out of the loop
             imported = dict(zip(made, cut.import_into(local, made, name="fold")))
             got = iter(imported[ref] if ref in imported else local[ref] for ref in wanted)
             results = [next(got) for _ in small]
-            results += [tf.add_n([next(got) for _ in slots]) for _, slots in sums]
-            return [i + 1, *(tf.reshape(r, spec.shape) for r, spec in zip(results, specs))]
+            return results + [tf.add_n([next(got) for _ in slots]) for _, slots in sums]
 
-        _, *results = tf.while_loop(lambda i, *_: i < 1, body, [start, *first_values()])
-        return results
+        # The source is a float: candidates pass `order.can_order`.
+        return once_in_a_loop(given[fold.source], specs, fold_once)
 
     refs = graph.splice(build, feeds, scope="tfmem_fold")
     for ref, new in zip(small, refs):

@@ -6,7 +6,10 @@ data dependency that changes no bit is what orders a copy after the peak it must
 precede (`rewrites.split.recompute`) and each row block of a product after the previous
 block's update (`rewrites.split.loops`), and a reduction before what XLA ran it beside
 (`rewrites.split.earlier`). The tie must be a value XLA cannot know before the program
-runs (`can_order`): a constant it folds, and the order with it.
+runs (`can_order`): a constant it folds, and the order with it. The same unknown value
+counts the trips of a loop XLA can neither remove nor fuse through (`once_in_a_loop`):
+what must be written out before a reader that would otherwise fuse it (`held`,
+`whole_input`).
 
 Example:
     >>> x, y = tf.constant([1.0, -0.0]), tf.constant([3.0])
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 
 from tfmem.graph import Graph, TensorRef
 from tfmem.memory import ARG_OPS, RESIDENT_OPS
@@ -42,6 +45,42 @@ def computed_after(tie: tf.Tensor, *leaves: tf.Tensor) -> list[tf.Tensor]:
         else:
             passed.append(leaf)
     return passed
+
+
+def once_in_a_loop(tie: tf.Tensor, specs: Sequence[tf.TensorSpec],
+                   compute: Callable[[Callable[[tf.Tensor], tf.Tensor]], Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+    """`compute`'s results, made in a `tf.while_loop` of one trip whose count XLA cannot
+    know before the program runs: one trip, or two when `tie`'s first element (a float)
+    is NaN; the body computes the same each trip. XLA neither removes such a loop nor
+    fuses through it, so what `compute` makes is written out in it, and what it reads
+    there dies there.
+
+    `compute(through)` builds the results (of `specs`' dtypes and shapes); `through(t)` is
+    float `t` read through the trip counter (`t - 0·[i < -2]`, the same bits), so that XLA
+    cannot hoist what is made from it out of the loop.
+
+    Example:
+        >>> x = tf.constant([[1.0, 2.0]])
+        >>> [y] = once_in_a_loop(x, [tf.TensorSpec([2], tf.float32)], lambda through: [tf.reduce_sum(through(x), 0)])
+        >>> y.numpy().tolist()
+        [1.0, 2.0]
+    """
+    first = tf.reshape(tie, [-1])[0]
+    unknown = tf.math.not_equal(first, first)
+    start = -tf.cast(unknown, tf.int32)
+    # Made from `unknown`, so XLA makes them just before the loop, not at the start.
+    first_values = [tf.fill(spec.shape, tf.cast(unknown, spec.dtype) * tf.zeros([], spec.dtype))
+                    if spec.dtype.is_floating else tf.zeros(spec.shape, spec.dtype) for spec in specs]
+
+    def body(i: tf.Tensor, *_: tf.Tensor) -> list[tf.Tensor]:
+        def through(t: tf.Tensor) -> tf.Tensor:
+            return t - tf.cast(i < -2, t.dtype) * tf.zeros([], t.dtype)
+
+        results = compute(through)
+        return [i + 1, *(tf.reshape(r, spec.shape) for r, spec in zip(results, specs))]
+
+    _, *results = tf.while_loop(lambda i, *_: i < 1, body, [start, *first_values])
+    return results
 
 
 def made_from_inputs(graph: Graph) -> set[str]:

@@ -31,6 +31,8 @@ Example (the log-determinant of a Matérn-5/2 kernel matrix plus jitter, n=2,000
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
 from tfmem.config import format_size
@@ -40,7 +42,7 @@ from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_WHOLE_RULE
 
 from rewrites.split.fragment import fragment
-from rewrites.split.order import can_order, made_from_inputs
+from rewrites.split.order import can_order, made_from_inputs, once_in_a_loop
 from rewrites.split.recompute import FACTORIZATION_OPS, cheap_cone
 
 # A tensor counts as one XLA holds for the input when it is at least 1/_WORTH of its peak.
@@ -103,34 +105,24 @@ def whole_input_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
 
 def _made_in_loop(graph: Graph, source: TensorRef, nodes: list[str], leaves: list[TensorRef],
                   tie: TensorRef) -> TensorRef:
-    """Splices a loop of one trip that makes `source` from `leaves` by `nodes`; returns its result."""
+    """Splices a loop of one trip (`order.once_in_a_loop`) that makes `source` from `leaves`
+    by `nodes`; returns its result."""
     cut = fragment(graph, nodes)
     feeds = list(cut.feeds)
-    spec = graph.spec(source)
+    if not all(feed in leaves for feed in feeds):
+        raise GraphError(f"{source.name}'s cone reads tensors other than its leaves")
 
     def build(*values: tf.Tensor) -> tf.Tensor:
         given = dict(zip(feeds, values))
-        first = tf.reshape(given[tie], [-1])[0]
-        unknown = tf.math.not_equal(first, first)
-        # One trip, or two when the tie's first element is NaN: XLA cannot count them, so it
-        # keeps the loop (the body computes the same each trip).
-        start = -tf.cast(unknown, tf.int32)
 
-        def body(i: tf.Tensor, _: tf.Tensor) -> list[tf.Tensor]:
-            # Every float leaf is read through the trip counter, so that XLA cannot hoist
-            # the input's cone out of the loop.
-            zero = tf.cast(i < -2, tf.float32)
-            local = {key: (t - tf.cast(zero, t.dtype) * tf.zeros([], t.dtype) if t.dtype.is_floating
-                           else tf.identity(t)) for key, t in given.items()}
-            [made] = cut.import_into(local, [source], name="whole")
-            return [i + 1, tf.reshape(made, spec.shape)]
+        def make(through: Callable[[tf.Tensor], tf.Tensor]) -> list[tf.Tensor]:
+            # Every float leaf through the trip counter: XLA cannot hoist the cone out of the loop.
+            local = {key: through(t) if t.dtype.is_floating else tf.identity(t) for key, t in given.items()}
+            return cut.import_into(local, [source], name="whole")
 
-        first_value = tf.fill(spec.shape, tf.cast(unknown, spec.dtype) * tf.zeros([], spec.dtype))
-        _, result = tf.while_loop(lambda i, _: i < 1, body, [start, first_value])
+        [result] = once_in_a_loop(given[tie], [graph.spec(source)], make)
         return result
 
-    if not all(feed in leaves for feed in feeds):
-        raise GraphError(f"{source.name}'s cone reads tensors other than its leaves")
     [result] = graph.splice(build, feeds, scope="tfmem_whole")
     return result
 
