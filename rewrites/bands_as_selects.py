@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from tfmem.context import PassContext
 from tfmem.graph import Graph, TensorRef
+from tfmem.memory import AS_SELECT_SCOPE_SUFFIX
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.split.diagonals import band_part_as_select
@@ -59,7 +60,7 @@ class BandsAsSelects(GraphPass):
         records = []
         for node in bands:
             matrix = graph.inputs(node.name)[0]
-            if band_part_as_select(graph, node.name, scope=f"{node.name}_as_select") is None:
+            if band_part_as_select(graph, node.name, scope=f"{node.name}{AS_SELECT_SCOPE_SUFFIX}") is None:
                 records.append(RewriteRecord(self.name, RULE, "rejected", (node.name,),
                                              f"limits not constants, or shape {graph.spec(matrix).shape} not static"))
                 continue

@@ -48,12 +48,13 @@ IN_PLACE_UPDATE_OPS = frozenset({"TensorScatterAdd", "TensorScatterSub", "Tensor
 # 2.25×; Digamma, Zeta, Erfinv, Ndtri, the Bessel functions, erf, exp ≤ 1.4×; Betainc 1.4×
 # there, but 2.35× for fuzz 14's Student-t CDFs over [1500, 1400] float32).
 # A program with one of them is never judged by its estimate alone.
+XLA_EXPANDED_OPS = frozenset({"Igamma", "Igammac", "IgammaGradA", "Lgamma", "Polygamma", "Betainc"})
 # The scopes in which late passes replace a node by ops of their own, named after it:
 # `bands_as_selects` (`B_as_select/...`) and the split stage's diagonal lowering
 # (`D_lowered/...`). XLA's names for those ops stand for the node before the pass ran.
-LOWERED_SCOPE_SUFFIXES = ("_as_select", "_lowered")
-_LOWERED_SCOPE = re.compile(rf"(.+)(?:{'|'.join(LOWERED_SCOPE_SUFFIXES)})/[^/]+$")
-XLA_EXPANDED_OPS = frozenset({"Igamma", "Igammac", "IgammaGradA", "Lgamma", "Polygamma", "Betainc"})
+AS_SELECT_SCOPE_SUFFIX = "_as_select"
+LOWERED_SCOPE_SUFFIX = "_lowered"
+_LOWERED_SCOPE = re.compile(rf"(.+)(?:{AS_SELECT_SCOPE_SUFFIX}|{LOWERED_SCOPE_SUFFIX})/[^/]+$")
 # Ops that make a TensorList: a loop's store of a value from every iteration (what a
 # gradient through a `while_loop`, `map_fn` or `scan` keeps for the backward pass). How
 # many elements it holds is set when the loop runs, so the estimate counts none of them

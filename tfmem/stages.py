@@ -43,8 +43,7 @@ from tfmem.memory import (TENSOR_LIST_OPS, MemoryEstimate, XlaPlan, estimate_mem
                           xla_plan_or_refusal)
 from tfmem.passes import GraphPass, PassManager, PipelineResult, RewriteRecord, collector_paused, default_pipeline
 from tfmem.report import (NEVER_WORSE_RULE, XLA_CHECKED_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_PEAK_RULE,
-                          XLA_WHOLE_RULE,
-                          XLA_PEAK_RULES, XLA_SHRINK_RULE, Report)
+                          XLA_PEAK_RULES, XLA_SHRINK_RULE, XLA_WHOLE_RULE, Report)
 
 
 @dataclasses.dataclass(frozen=True)

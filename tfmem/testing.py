@@ -62,6 +62,26 @@ def run_graph(graph: Any, concrete: Any, values: Sequence[Any]) -> list[np.ndarr
     return [t.numpy() for t in tf.function(run)(*values)]
 
 
+def xla_peak_holding(at: str, held: Sequence[str], order: Sequence[str], *, n: int,
+                     dtype: tf.DType = tf.float64) -> Any:
+    """An XLA live set at its peak, as `XlaPlan.peak` reads it, for tests of the rules
+    that read one: at op `at`, holding the `[n, n]` outputs of the nodes `held`, with
+    `order` the ops that have a step of their own in XLA's schedule (named as XLA names
+    them: `tfmem_step/<node>`).
+
+    Example:
+        >>> peak = xla_peak_holding("MatMul_1", ["MatMul"], ["MatMul", "MatMul_1"], n=10)
+        >>> peak.peak_node, peak.peak_bytes, list(peak.steps)
+        ('tfmem_step/MatMul_1', 800, ['tfmem_step/MatMul', 'tfmem_step/MatMul_1'])
+    """
+    from tfmem.memory import LiveTensor, MemoryEstimate
+
+    whole = n * n * dtype.size
+    tensors = tuple(LiveTensor(f"tfmem_step/{name}", whole, (n, n), dtype.name) for name in held)
+    return MemoryEstimate(len(held) * whole, f"tfmem_step/{at}", tensors,
+                          steps={f"tfmem_step/{name}": (i * whole, 0) for i, name in enumerate(order)})
+
+
 def cleanup_host_memory(rows: int, cols: int) -> dict[str, Any]:
     """Runs the cleanup stage on a program with [rows, cols] float64 tensors; returns the
     growth of this process's resident-set high-water mark and the op counts after.

@@ -28,6 +28,7 @@ from tensorflow.core.framework import node_def_pb2
 
 from rewrites.split.op_rules import ELEMENTWISE_OPS, REDUCTION_OPS, UNARY_OPS
 from tfmem.graph import Graph, TensorRef
+from tfmem.memory import LOWERED_SCOPE_SUFFIX
 
 # Every version of the two ops; the first takes no offset `k` (it is the main diagonal).
 SET_DIAG_OPS = frozenset({"MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3"})
@@ -60,13 +61,13 @@ def lower_diagonals(graph: Graph, limit: int, names: set[str] | None = None) -> 
         added = _added_to_diagonal(graph, matrix, inputs[1]) if node.op in SET_DIAG_OPS else None
         if added is not None:  # set_diag(X, diag_part(X) + d): X + d·I, without X's diagonal read apart
             [new] = graph.splice(lambda x, d: x + tf.where(mask(), _as_row(d), tf.zeros([], x.dtype)),
-                                 [matrix, added], scope=f"{node.name}_lowered")
+                                 [matrix, added], scope=f"{node.name}{LOWERED_SCOPE_SUFFIX}")
         elif node.op in SET_DIAG_OPS:
             [new] = graph.splice(lambda x, v: tf.where(mask(), tf.expand_dims(v, -2), x),
-                                 [matrix, inputs[1]], scope=f"{node.name}_lowered")
+                                 [matrix, inputs[1]], scope=f"{node.name}{LOWERED_SCOPE_SUFFIX}")
         else:
             [new] = graph.splice(lambda x: tf.reduce_sum(tf.where(mask(), x, tf.zeros([], x.dtype)), axis=-1),
-                                 [matrix], scope=f"{node.name}_lowered")
+                                 [matrix], scope=f"{node.name}{LOWERED_SCOPE_SUFFIX}")
         graph.replace_all_uses(TensorRef(node.name), new)
         lowered[TensorRef(node.name)] = new
         graph.prune()
@@ -106,7 +107,7 @@ def lower_matrix_diags(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
         def made(v: tf.Tensor, pad: tf.Tensor | None = None, n: int = int(shape[-1])) -> tf.Tensor:
             return tf.where(diagonal_mask(n), tf.expand_dims(v, -2), tf.zeros([], v.dtype) if pad is None else pad)
 
-        [new] = graph.splice(made, operands, scope=f"{node.name}_lowered")
+        [new] = graph.splice(made, operands, scope=f"{node.name}{LOWERED_SCOPE_SUFFIX}")
         graph.replace_all_uses(TensorRef(node.name), new)
         lowered[TensorRef(node.name)] = new
     if lowered:
@@ -132,7 +133,7 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
             continue
         if any(graph.node(reader).op not in _ROW_LOCAL_READERS for reader, _ in graph.consumers(node.name)):
             continue  # a solve or a factorization reads the band whole: nothing to split it for
-        new = band_part_as_select(graph, node.name, scope=f"{node.name}_lowered")
+        new = band_part_as_select(graph, node.name, scope=f"{node.name}{LOWERED_SCOPE_SUFFIX}")
         if new is not None:
             lowered[TensorRef(node.name)] = new
     if lowered:

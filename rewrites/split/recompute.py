@@ -178,7 +178,7 @@ def _through_identities(graph: Graph, tensor: TensorRef) -> list[tuple[str, int]
     return readers
 
 
-def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: dict[str, int],
+def _tie(graph: Graph, cone: Cone, readers: Sequence[str], position: Mapping[str, int],
          peak_node: str | None = None) -> TensorRef | None:
     """The floating-point input of the first of `readers` made last (other than the tensor
     itself) that the program's inputs decide: the copy waits for it.
@@ -247,7 +247,7 @@ def recompute_for(graph: Graph, cone: Cone, readers: Sequence[tuple[str, int]],
     return copied
 
 
-def _fused_from(graph: Graph, tensor: TensorRef, xla_order: Mapping[str, int], *, least: int) -> list[TensorRef]:
+def _fused_from(graph: Graph, tensor: TensorRef, own_steps: Mapping[str, int], *, least: int) -> list[TensorRef]:
     """`tensor` and what XLA makes from it inside other ops: the outputs of its readers
     with no step of their own in XLA's schedule, and theirs, and so on. XLA holds a
     buffer for a late reader of any of them: a Matérn kernel's `1 + √5·r + 5/3·r²`,
@@ -256,7 +256,7 @@ def _fused_from(graph: Graph, tensor: TensorRef, xla_order: Mapping[str, int], *
     seen = {tensor.node}
     while frontier:
         for reader in graph.node_consumers(frontier.pop()):
-            if (reader in seen or reader in xla_order or graph.node(reader).op not in CHEAP_OPS
+            if (reader in seen or reader in own_steps or graph.node(reader).op not in CHEAP_OPS
                     or graph.largest_output_bytes(reader) < least):
                 continue  # an op of its own (a product's XLA may not name), or a small result held instead
             seen.add(reader)
@@ -295,7 +295,7 @@ def _recompute_held(graph: Graph, tensor: TensorRef, readers: list[tuple[str, in
             f"held across XLA's peak at {xla_peak.peak_node}, not made again: {cone}"))
     # The copy waits for what its first reader reads last in XLA's order, or else for the
     # op at the peak: made just before its readers, not held from the peak to them.
-    tie = _tie(graph, cone, [reader for reader, _ in readers], dict(positions), peak_node) or TensorRef(peak_node)
+    tie = _tie(graph, cone, [reader for reader, _ in readers], positions, peak_node) or TensorRef(peak_node)
     # What the cone makes on the way, read after the peak too, is read from the copy, by
     # each reader the tie does not wait for (the copy waits for the tie).
     waited_for = graph.ancestors(tie.node) | {tie.node}

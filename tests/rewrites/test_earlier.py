@@ -16,12 +16,10 @@ import tfmem
 from benchmarks.cases import vgp_loss_and_gradients
 from rewrites.split.earlier import reduce_before_xla_peak, small_results
 from tfmem.capture import capture
-from tfmem.memory import LiveTensor, MemoryEstimate
-from tfmem.testing import run_graph
+from tfmem.testing import run_graph, xla_peak_holding
 
 EARLIER = "ReduceBeforeXlaPeak"
 N = 200
-WHOLE = N * N * 8
 
 
 def loss_term_beside_gradient(a, q, g):
@@ -37,14 +35,6 @@ def _captured(fn=loss_term_beside_gradient):
     return capture(concrete).to_graph(), concrete
 
 
-def _xla_peak(at: str, live: list[str], order: list[str]) -> MemoryEstimate:
-    """An XLA live set at its peak, as `XlaPlan.peak` reads it: at op `at`, holding the
-    `[N, N]` outputs of `live`, after running `order`."""
-    tensors = tuple(LiveTensor(f"tfmem_step/{name}", WHOLE, (N, N), "float64") for name in live)
-    return MemoryEstimate(len(live) * WHOLE, f"tfmem_step/{at}", tensors,
-                          steps={f"tfmem_step/{name}": (i * WHOLE, 0) for i, name in enumerate(order)})
-
-
 def _inputs(rng):
     return [tf.constant(rng.normal(size=(N, N))) for _ in range(3)]
 
@@ -52,7 +42,7 @@ def _inputs(rng):
 def test_the_small_result_is_made_before_the_matrix_xla_ran_it_beside(rng):
     graph, concrete = _captured()
     # XLA's order: the product, the gradient's matrix, then the square at the peak.
-    peak = _xla_peak("Square", ["MatMul", "mul", "Square"], ["MatMul", "mul", "Square", "Sum", "MatMul_1"])
+    peak = xla_peak_holding("Square", ["MatMul", "mul", "Square"], ["MatMul", "mul", "Square", "Sum", "MatMul_1"], n=N)
     [record] = reduce_before_xla_peak(graph, peak, "test")
     assert record.status == "fired", record
     assert (record.details["before"], record.details["results"]) == ("mul", "Sum:0")
@@ -67,7 +57,7 @@ def test_the_small_result_is_made_before_the_matrix_xla_ran_it_beside(rng):
 def test_what_the_reduction_needs_is_never_made_to_wait_for_it():
     graph, _ = _captured()
     # The only other matrix XLA holds there is the product the square reads.
-    peak = _xla_peak("Square", ["MatMul", "Square"], ["MatMul", "Square", "Sum", "mul", "MatMul_1"])
+    peak = xla_peak_holding("Square", ["MatMul", "Square"], ["MatMul", "Square", "Sum", "mul", "MatMul_1"], n=N)
     [record] = reduce_before_xla_peak(graph, peak, "test")
     assert record.status == "rejected" and "made after the op's inputs were ready" in record.reason, record
 
@@ -75,7 +65,7 @@ def test_what_the_reduction_needs_is_never_made_to_wait_for_it():
 def test_a_big_result_is_not_moved():
     # The peak's op feeds a product (not a cheap map or reduction): nothing small to make first.
     graph, _ = _captured()
-    peak = _xla_peak("mul", ["MatMul", "mul"], ["MatMul", "mul", "MatMul_1"])
+    peak = xla_peak_holding("mul", ["MatMul", "mul"], ["MatMul", "mul", "MatMul_1"], n=N)
     [record] = reduce_before_xla_peak(graph, peak, "test")
     assert record.status == "rejected" and "is read by MatMul_1 (MatMul)" in record.reason, record
 

@@ -21,8 +21,7 @@ from benchmarks.cases import vgp_loss_and_gradients
 from rewrites.split.held import find_fold, reduce_held_before_xla_peak
 from tfmem.capture import capture
 from tfmem.graph import TensorRef
-from tfmem.memory import LiveTensor, MemoryEstimate
-from tfmem.testing import run_graph
+from tfmem.testing import run_graph, xla_peak_holding
 
 HELD = "ReduceHeldBeforeXlaPeak"
 N = 64
@@ -67,15 +66,6 @@ def _captured(fn, n=N, dtype=tf.float64):
     return capture(concrete).to_graph(), concrete
 
 
-def _xla_peak(at: str, held: list[str], order: list[str], n=N, itemsize=8) -> MemoryEstimate:
-    """An XLA live set at its peak, as `XlaPlan.peak` reads it: at op `at`, holding the
-    `[n, n]` outputs of `held`, after running `order`."""
-    whole = n * n * itemsize
-    tensors = tuple(LiveTensor(f"tfmem_step/{name}", whole, (n, n), "float64") for name in held)
-    return MemoryEstimate(len(held) * whole, f"tfmem_step/{at}", tensors,
-                          steps={f"tfmem_step/{name}": (i * whole, 0) for i, name in enumerate(order)})
-
-
 def _inputs(rng, n=N, dtype=np.float64):
     return [tf.constant(rng.normal(size=(n, n)).astype(dtype)) for _ in range(3)]
 
@@ -93,7 +83,7 @@ def test_a_fold_runs_to_small_results_and_to_the_sum_it_is_part_of():
 
 def test_the_held_tensor_is_folded_before_the_op_at_xlas_peak(rng):
     graph, concrete = _captured(fold_beside_peak)
-    peak = _xla_peak("MatMul_1", ["MatMul", "MatMul_1"], ["MatMul", "MatMul_1", "add", "mul"])
+    peak = xla_peak_holding("MatMul_1", ["MatMul", "MatMul_1"], ["MatMul", "MatMul_1", "add", "mul"], n=N)
     [record] = reduce_held_before_xla_peak(graph, peak, "test")
     assert record.status == "fired", record
     assert (record.details["tensor"], record.details["before"]) == ("MatMul", "MatMul_1")
@@ -115,7 +105,7 @@ def test_the_held_tensor_is_folded_before_the_op_at_xlas_peak(rng):
        seed=st.integers(0, 2**16))
 def test_folding_first_computes_what_the_program_computes(program, dtype, n, seed):
     graph, concrete = _captured(program, n, dtype)
-    peak = _xla_peak("MatMul_1", ["MatMul", "MatMul_1"], ["MatMul", "MatMul_1"], n, dtype.size)
+    peak = xla_peak_holding("MatMul_1", ["MatMul", "MatMul_1"], ["MatMul", "MatMul_1"], n=n, dtype=dtype)
     [record] = reduce_held_before_xla_peak(graph, peak, "test")
     assert record.status == "fired", record
     rng = np.random.default_rng(seed)
@@ -139,7 +129,7 @@ def test_folding_first_computes_what_the_program_computes(program, dtype, n, see
 ])
 def test_what_is_not_a_cheap_fold_is_left(program, at, why):
     graph, _ = _captured(program)
-    peak = _xla_peak(at, ["MatMul", at], ["MatMul", at])
+    peak = xla_peak_holding(at, ["MatMul", at], ["MatMul", at], n=N)
     [record] = reduce_held_before_xla_peak(graph, peak, "test")
     assert record.status == "rejected" and why in record.reason, record
 
@@ -147,7 +137,7 @@ def test_what_is_not_a_cheap_fold_is_left(program, at, why):
 def test_a_tensor_xla_makes_after_its_peak_is_not_what_it_holds_there():
     graph, _ = _captured(fold_beside_peak)
     # XLA ran the product after the op at its peak: the fold cannot be what it held there.
-    peak = _xla_peak("MatMul_1", ["MatMul", "MatMul_1"], ["MatMul_1", "MatMul"])
+    peak = xla_peak_holding("MatMul_1", ["MatMul", "MatMul_1"], ["MatMul_1", "MatMul"], n=N)
     [record] = reduce_held_before_xla_peak(graph, peak, "test")
     assert record.status == "rejected", record
 
@@ -160,7 +150,7 @@ def test_the_op_at_the_peak_is_never_made_to_wait_for_what_reads_it():
         return tf.reshape(tf.linalg.band_part(d, -1, 0), [-1])[:N] + tf.reshape(p, [-1])[:N],
 
     graph, _ = _captured(program)
-    peak = _xla_peak("add", ["MatMul", "MatMul_1"], ["MatMul", "MatMul_1", "add"])
+    peak = xla_peak_holding("add", ["MatMul", "MatMul_1"], ["MatMul", "MatMul_1", "add"], n=N)
     [record] = reduce_held_before_xla_peak(graph, peak, "test")
     assert record.status == "rejected", record
     graph.topological_order()

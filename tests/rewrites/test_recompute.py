@@ -22,8 +22,8 @@ from rewrites.split.order import computed_after, input_to_tie
 from rewrites.split.recompute import MAX_INNER, cheap_cone, recompute_across_xla_peak, recompute_for
 from tfmem.capture import capture
 from tfmem.graph import GraphError, TensorRef
-from tfmem.memory import LiveTensor, MemoryEstimate, estimate_memory, graph_node_for
-from tfmem.testing import run_graph
+from tfmem.memory import estimate_memory, graph_node_for
+from tfmem.testing import run_graph, xla_peak_holding
 
 RECOMPUTE = "RecomputeForLateReaders"
 
@@ -389,15 +389,6 @@ def held_through_a_fused_map(x, g):
     return early, tf.reduce_sum(p * a)
 
 
-def _synthetic_xla_peak(graph, at: str, held: list[str], order: list[str], n: int) -> MemoryEstimate:
-    """An XLA live set at its peak at node `at`, holding the [n, n] outputs of `held`, with
-    `order` the nodes that have a step of their own in XLA's schedule."""
-    whole = n * n * 8
-    tensors = tuple(LiveTensor(f"tfmem_f/{name}", whole, (n, n), "float64") for name in held)
-    return MemoryEstimate(len(held) * whole, f"tfmem_f/{at}", tensors,
-                          steps={f"tfmem_f/{name}": (i * whole, 0) for i, name in enumerate(order)})
-
-
 def test_what_xla_holds_for_a_late_reader_of_a_map_it_fused_is_made_again_for_that_reader(rng):
     n = 300
     spec = tf.TensorSpec([n, n], tf.float64)
@@ -407,8 +398,8 @@ def test_what_xla_holds_for_a_late_reader_of_a_map_it_fused_is_made_again_for_th
     [early_sum, late_sum] = list(graph.find("Sum"))
     late = next(reader for reader, _ in graph.consumers(TensorRef(matmul.name)))
     # XLA's steps: r, the early sum, the product (its peak), the late product and sum.
-    peak = _synthetic_xla_peak(graph, matmul.name, [sqrt.name],
-                               [sqrt.name, early_sum.name, matmul.name, late, late_sum.name], n)
+    peak = xla_peak_holding(matmul.name, [sqrt.name], [sqrt.name, early_sum.name, matmul.name, late, late_sum.name],
+                            n=n)
     records = recompute_across_xla_peak(graph, peak, "test")
     fired = [r for r in records if r.status == "fired"]
     assert len(fired) == 1 and graph.node(fired[0].details["tensor"].split(":")[0]).op == "AddV2", records

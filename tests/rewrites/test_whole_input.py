@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import tfmem
 from rewrites.split.whole_input import whole_input_before_xla_peak
 from tfmem.capture import capture
-from tfmem.memory import LiveTensor, MemoryEstimate
-from tfmem.testing import run_graph
+from tfmem.memory import MemoryEstimate
+from tfmem.testing import run_graph, xla_peak_holding
 
 WHOLE = "WholeInputBeforeXlaPeak"
 N = 1000
@@ -54,14 +54,11 @@ def _captured(fn, n=N):
 
 
 def _xla_peak(graph, at_op: str, held_ops: list[str], n=N) -> MemoryEstimate:
-    """An XLA live set at its peak, as `XlaPlan.peak` reads it: at the graph's `at_op`,
-    holding the `[n, n]` outputs of its `held_ops`."""
-    whole = n * n * 8
+    """XLA's live set at its peak at the graph's `at_op`, holding the `[n, n]` outputs of
+    its `held_ops` (the first node of each op), which run before it."""
     at = next(node.name for node in graph.find(at_op))
     held = [next(node.name for node in graph.find(op)) for op in held_ops]
-    tensors = tuple(LiveTensor(f"tfmem_f/{name}", whole, (n, n), "float64") for name in held)
-    return MemoryEstimate(len(held) * whole, f"tfmem_f/{at}", tensors,
-                          steps={f"tfmem_f/{name}": (i * whole, 0) for i, name in enumerate([*held, at])})
+    return xla_peak_holding(at, held, [*held, at], n=n)
 
 
 def test_a_matern_kernel_matrix_is_made_whole_before_the_cholesky_and_xla_plans_two_matrices_less():
