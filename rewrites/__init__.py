@@ -29,7 +29,7 @@ from rewrites.einsum_diagonal import EinsumAsDiagonal
 from rewrites.einsum_matmul import EinsumAsMatMul
 from rewrites.matmul_chain import ReorderMatMulChain
 from rewrites.scale_by_diagonal import ScaleByDiagonal
-from rewrites.split import (RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak,
+from rewrites.split import (RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak, SplitAtXlaPeak,
                             SplitOversizedRegions, WholeInputBeforeXlaPeak)
 from tfmem.config import PASS_STAGES, Config
 from tfmem.passes import GraphPass
@@ -44,7 +44,7 @@ PASSES_BY_STAGE: dict[str, tuple[type[GraphPass], ...]] = {
     # SolveInPlace after splitting: solves the splitter cut into column chunks are small already.
     # BandsAsSelects last: the bands left are read whole; their masks are XLA's concern only.
     "split": (SplitOversizedRegions, RecomputeAcrossXlaPeak, ReduceBeforeXlaPeak, ReduceHeldBeforeXlaPeak,
-              WholeInputBeforeXlaPeak, SolveInPlace, BandsAsSelects),
+              WholeInputBeforeXlaPeak, SplitAtXlaPeak, SolveInPlace, BandsAsSelects),
 }
 assert set(PASSES_BY_STAGE) == set(PASS_STAGES)
 

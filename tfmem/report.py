@@ -57,10 +57,13 @@ XLA_EARLIER_RULE = "ReduceBeforeXlaPeak"
 XLA_HELD_RULE = "ReduceHeldBeforeXlaPeak"
 # The rule of `rewrites.split.whole_input.whole_input_before_xla_peak`: a factorization's input made whole first.
 XLA_WHOLE_RULE = "WholeInputBeforeXlaPeak"
+# The rule of `rewrites.split.at_xla_peak.split_at_xla_peak`: what XLA holds whole at its peak, split.
+XLA_SPLIT_RULE = "SplitAtXlaPeak"
 # The rule of `rewrites.split.planner.Planner`: a region split into loop chunks (or why not).
 SPLIT_RULE = "SplitOversizedRegions"
 # The rules that act on XLA's peak (`PassContext.xla_peaks`): a plan they change is compiled and checked again.
-XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_WHOLE_RULE})
+XLA_PEAK_RULES = frozenset({XLA_PEAK_RULE, XLA_SHRINK_RULE, XLA_EARLIER_RULE, XLA_HELD_RULE, XLA_WHOLE_RULE,
+                            XLA_SPLIT_RULE})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,10 @@ kernel matrix from its inputs) and is held across the peak only for readers afte
 is made again for them instead (`recompute`). When XLA's own plan does not fit, rules read
 its live set at its peak: what it holds there for later readers is made again for them
 (`recompute`), a loss term it reduced there is reduced first (`earlier`), a big tensor it
-holds only to fold later is folded first (`held`), and a Cholesky factorization it computes
-from its fused input's operands gets that input made whole first (`whole_input`).
+holds only to fold later is folded first (`held`), a Cholesky factorization it computes
+from its fused input's operands gets that input made whole first (`whole_input`), and
+the big tensors it holds whole there are computed in chunks (`at_xla_peak`), where the
+copies the other rules made, and the waits that order them, left no loop before.
 
 Conditions: static shapes; ops on the path must have a split rule (`op_rules`); a region's
 results must be sinks (reductions, contractions, top-k, arg-max/min) or tensors small
@@ -35,14 +37,15 @@ from tfmem.memory import MemoryEstimate
 from tfmem.passes import GraphPass, PassResult, RewriteRecord
 
 from rewrites.split.planner import Planner
+from rewrites.split.at_xla_peak import split_at_xla_peak
 from rewrites.split.op_rules import SUPPORTED_OPS
 from rewrites.split.earlier import reduce_before_xla_peak
 from rewrites.split.held import reduce_held_before_xla_peak
 from rewrites.split.recompute import recompute_across_xla_peak
 from rewrites.split.whole_input import whole_input_before_xla_peak
 
-__all__ = ["RecomputeAcrossXlaPeak", "ReduceBeforeXlaPeak", "ReduceHeldBeforeXlaPeak", "SplitOversizedRegions",
-           "WholeInputBeforeXlaPeak", "SUPPORTED_OPS"]
+__all__ = ["RecomputeAcrossXlaPeak", "ReduceBeforeXlaPeak", "ReduceHeldBeforeXlaPeak", "SplitAtXlaPeak",
+           "SplitOversizedRegions", "WholeInputBeforeXlaPeak", "SUPPORTED_OPS"]
 
 
 class SplitOversizedRegions(GraphPass):
@@ -93,10 +96,13 @@ class _ActOnXlaPeaks(GraphPass):
     act: Callable[[Graph, MemoryEstimate, str], list[RewriteRecord]]
 
     def run(self, graph: Graph, context: PassContext) -> PassResult:
-        peaks = [peak for position, peak in enumerate(context.xla_peaks)
-                 if (rules := context.rules_at_peak(position)) is None or self.name in rules]
-        records = [record for peak in peaks for record in type(self).act(graph, peak, self.name)]
+        records = [record for peak in self.peaks(context) for record in type(self).act(graph, peak, self.name)]
         return PassResult(graph, any(r.status == "fired" for r in records), records)
+
+    def peaks(self, context: PassContext) -> list[MemoryEstimate]:
+        """XLA's peaks this rule acts on: every one, but those kept with other rules alone."""
+        return [peak for position, peak in enumerate(context.xla_peaks)
+                if (rules := context.rules_at_peak(position)) is None or self.name in rules]
 
 
 class RecomputeAcrossXlaPeak(_ActOnXlaPeaks):
@@ -136,3 +142,22 @@ class WholeInputBeforeXlaPeak(_ActOnXlaPeaks):
 
     name = "whole_input_before_xla_peak"
     act = staticmethod(whole_input_before_xla_peak)
+
+
+class SplitAtXlaPeak(_ActOnXlaPeaks):
+    """Splits what XLA holds whole at its peak, when a plan XLA compiled did not fit: the
+    big tensors in XLA's live set there are computed in loop chunks, with the waits of the
+    copies made for them fitted to the loop (`at_xla_peak.split_at_xla_peak`). Runs after
+    the other rules on XLA's peak: what it splits are often their copies."""
+
+    name = "split_at_xla_peak"
+    reads = frozenset({"memory_budget", "tensor_split_size"})
+
+    def run(self, graph: Graph, context: PassContext) -> PassResult:
+        target = context.target_bytes
+        if target is None:
+            return PassResult(graph, False, [])
+        records = [record for peak in self.peaks(context)
+                   for record in split_at_xla_peak(graph, peak, self.name, target=target,
+                                                   split_size=context.config.split_size)]
+        return PassResult(graph, any(r.status == "fired" for r in records), records)

@@ -35,7 +35,8 @@ class Cone:
 
 
 def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Callable[[str], str | None],
-              max_nodes: int = 128, resident_leaves: bool = False, sized_by_values: bool = False) -> Cone | str:
+              max_nodes: int = 128, resident_leaves: bool = False, sized_by_values: bool = False,
+              value_sized_leaves: bool = False) -> Cone | str:
     """The cone of `tensor` (see the module docstring), or why there is none.
 
     `refuse(node)`: why that node may not be made again (None: it may). Nodes with
@@ -43,6 +44,8 @@ def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Calla
     and reads of its variables (held to the end anyway) are leaves whatever their size.
     `sized_by_values`: a tensor whose shape a value decides is made again too (never in a
     loop's body: XLA must know every shape there when it compiles the loop).
+    `value_sized_leaves`: such a tensor is a leaf instead, made where it is and read whole
+    (a loop's body may read it: XLA knows its shape when it compiles the program).
     """
     nodes: set[str] = set()
     leaves: list[TensorRef] = []
@@ -63,6 +66,10 @@ def grow_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, refuse: Calla
             return f"{tensor.name} takes more than {max_nodes} ops to recompute"
         for ref in graph.inputs(name):
             nbytes = graph.nbytes(ref)
+            if nbytes is None and value_sized_leaves and graph.inputs(ref.node):
+                if ref not in leaves:
+                    leaves.append(ref)
+                continue
             if nbytes is None:
                 if not sized_by_values or graph.node(ref.node).op in _HELD_ANYWAY or not graph.inputs(ref.node):
                     return f"{tensor.name} is made from {ref.name}, whose shape is not static"

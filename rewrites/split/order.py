@@ -19,6 +19,8 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
 from collections.abc import Callable, Collection, Sequence
@@ -110,3 +112,60 @@ def input_to_tie(graph: Graph, name: str, prefer_made_by: Collection[str] = ()) 
     slots = [(graph.node(ref.node).op not in prefer_made_by, graph.nbytes(ref) or 0, slot)
              for slot, ref in enumerate(graph.inputs(name)) if graph.spec(ref).dtype.is_floating]
     return min(slots)[2] if slots else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TiedLeaf:
+    """A leaf `computed_after` passed through a tie: `node` makes `leaf`'s bits after `tie`.
+
+    Attributes:
+        node: the `Sub` that passes the leaf (what the copy reads).
+        leaf: the tensor passed.
+        tie: the tensor it waits for.
+        first: the `Reshape` to one axis whose first element is tested, when the tie is
+            read that way (None: the tie is the scalar tested, such as a loop's result).
+    """
+
+    node: str
+    leaf: TensorRef
+    tie: TensorRef
+    first: str | None
+
+
+def tied_leaves(graph: Graph) -> list[TiedLeaf]:
+    """Every leaf of the graph passed through a tie by `computed_after`, found by its shape
+    (`leaf - cast(first ≠ first)·0`, `first` the tie's first element), in graph order.
+
+    Example:
+        >>> with tf.Graph().as_default() as g:
+        ...     x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+        ...     y = tf.compat.v1.placeholder(tf.float32, [2, 2], name="y")
+        ...     z = tf.identity(computed_after(y, x)[0], name="z")
+        >>> graph = Graph(g.as_graph_def(add_shapes=True), outputs=["z"])
+        >>> [(t.leaf.node, t.tie.node) for t in tied_leaves(graph)]
+        [('x', 'y')]
+    """
+    found = []
+    for node in graph.nodes:
+        if node.op != "Sub":
+            continue
+        leaf, zero = graph.inputs(node.name)
+        scaled = graph.node(zero.node)
+        if scaled.op != "Mul":
+            continue
+        cast = next((graph.node(ref.node) for ref in graph.inputs(scaled.name) if graph.node(ref.node).op == "Cast"),
+                    None)
+        if cast is None:
+            continue
+        unknown = graph.node(graph.inputs(cast.name)[0].node)
+        tested = {ref for ref in graph.inputs(unknown.name)}
+        if unknown.op != "NotEqual" or len(tested) != 1:
+            continue
+        [tie] = tested
+        first = graph.node(tie.node)
+        flat = graph.node(graph.inputs(first.name)[0].node) if first.op == "StridedSlice" else None
+        if flat is not None and flat.op == "Reshape":
+            found.append(TiedLeaf(node.name, leaf, graph.inputs(flat.name)[0], flat.name))
+        else:
+            found.append(TiedLeaf(node.name, leaf, tie, None))
+    return found

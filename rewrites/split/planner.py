@@ -56,7 +56,7 @@ _MAX_BUDGET_STEPS = 48
 # handful of chunk-sized tensors at once.
 _SURELY_SPLIT_SHARE = 8
 _FIRST_BODY_SHARE = 16
-_FIRST_CHUNK_SHARE = 8
+FIRST_CHUNK_SHARE = 8
 # Chunk lengths are planned to this share of the room a loop's body has (the body is only
 # roughly proportional to its chunk length), and grown only when that gains a quarter.
 _CHUNK_MARGIN = 0.9
@@ -315,7 +315,7 @@ class Planner:
                        split_size: int | None) -> MemoryEstimate | None:
         """Splits the largest computed tensor at the peak whose loop lowers the peak."""
         graph = self.graph
-        chunk_budget = max(1, min(split_size or plan, plan // _FIRST_CHUNK_SHARE))
+        chunk_budget = max(1, min(split_size or plan, plan // FIRST_CHUNK_SHARE))
         over = estimate.peak_bytes - plan
         for live in estimate.live_at_peak:
             seed = TensorRef.parse(live.name)

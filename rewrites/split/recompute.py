@@ -92,7 +92,7 @@ def _inner_dimension(graph: Graph, name: str) -> int | None:
 
 
 def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizations: bool = False,
-               in_loop: bool = False) -> Cone | str:
+               in_loop: bool = False, value_sized_leaves: bool = False) -> Cone | str:
     """The cheap ops that make `tensor` from inputs of at most `leaf_limit` bytes (or
     inputs of the program, held anyway); or why there are none.
 
@@ -100,7 +100,8 @@ def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizatio
     products whose inner dimension is at most `MAX_INNER`; with `factorizations`, a
     Cholesky factor too. Anything else over `leaf_limit` — a product over the data — is
     not recomputed. `in_loop`: for a loop's body, where XLA must know every shape when
-    it compiles: nothing sized by a value (GPflow's `eye(num_data)`, num_data a variable).
+    it compiles: nothing sized by a value (GPflow's `eye(num_data)`, num_data a variable),
+    unless `value_sized_leaves`: such a tensor is then a leaf, made outside and read whole.
     """
     def refuse(name: str) -> str | None:
         op = graph.node(name).op
@@ -114,7 +115,7 @@ def cheap_cone(graph: Graph, tensor: TensorRef, *, leaf_limit: int, factorizatio
         return None if op in CHEAP_OPS else f"{tensor.name} is made by {name} ({op}), which is not cheap to recompute"
 
     return grow_cone(graph, tensor, leaf_limit=leaf_limit, refuse=refuse, max_nodes=_MAX_CONE_NODES,
-                     resident_leaves=True, sized_by_values=not in_loop)
+                     resident_leaves=True, sized_by_values=not in_loop, value_sized_leaves=value_sized_leaves)
 
 
 def late_readers(graph: Graph, tensor: TensorRef, estimate: MemoryEstimate) -> list[tuple[str, int]]:

@@ -72,7 +72,7 @@ def whole_input_before_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_nam
         return rejected(f"{peak_node} is a {op}, not a factorization XLA computes from its input's blocks")
     source = graph.inputs(peak_node)[0]
     big = xla_peak.peak_bytes // _WORTH
-    cone = cheap_cone(graph, source, leaf_limit=big, in_loop=True)
+    cone = cheap_cone(graph, source, leaf_limit=big, in_loop=True, value_sized_leaves=True)
     if isinstance(cone, str):
         return rejected(cone)
     held = [live for live in xla_peak.live_at_peak if live.nbytes >= big
