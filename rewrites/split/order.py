@@ -9,7 +9,8 @@ block's update (`rewrites.split.loops`), and a reduction before what XLA ran it 
 runs (`can_order`): a constant it folds, and the order with it. The same unknown value
 counts the trips of a loop XLA can neither remove nor fuse through (`once_in_a_loop`):
 what must be written out before a reader that would otherwise fuse it (`held`,
-`whole_input`).
+`whole_input`). `tied_leaves` finds the leaves passed through ties again, for a rule that
+must move a wait (`at_xla_peak`).
 
 Example:
     >>> x, y = tf.constant([1.0, -0.0]), tf.constant([3.0])
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from collections.abc import Callable, Collection, Sequence
@@ -153,9 +155,11 @@ def tied_leaves(graph: Graph) -> list[TiedLeaf]:
         scaled = graph.node(zero.node)
         if scaled.op != "Mul":
             continue
-        cast = next((graph.node(ref.node) for ref in graph.inputs(scaled.name) if graph.node(ref.node).op == "Cast"),
-                    None)
-        if cast is None:
+        factors = graph.inputs(scaled.name)
+        cast = next((graph.node(ref.node) for ref in factors if graph.node(ref.node).op == "Cast"), None)
+        # Only a zero times the test passes the leaf's bits: anything else is the program's own.
+        if cast is None or not any((value := graph.constant_value(ref)) is not None and not np.any(value)
+                                   for ref in factors):
             continue
         unknown = graph.node(graph.inputs(cast.name)[0].node)
         tested = {ref for ref in graph.inputs(unknown.name)}
@@ -169,3 +173,4 @@ def tied_leaves(graph: Graph) -> list[TiedLeaf]:
         else:
             found.append(TiedLeaf(node.name, leaf, tie, None))
     return found
+

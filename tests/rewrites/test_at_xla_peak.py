@@ -140,7 +140,9 @@ def test_a_copy_waiting_for_what_the_loop_makes_reads_its_leaf_in_the_loop_and_w
 def test_ties_are_found_by_their_shape_and_a_plain_difference_is_not_one():
     def program(x, y):
         [passed] = computed_after(y, x)
-        return passed * 2.0, x - y[0, :3]
+        # The program's own test of a value: not a tie (the factor is no zero).
+        unknown = tf.math.not_equal(y[0, 0], y[0, 0])
+        return passed * 2.0, x - y[0, :3], x - tf.cast(unknown, x.dtype) * 5.0
 
     graph, _ = _captured(program, tf.TensorSpec([3], tf.float64), tf.TensorSpec([4, 4], tf.float64))
     found = tied_leaves(graph)
