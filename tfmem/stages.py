@@ -715,5 +715,5 @@ _REPLANS = 2
 # Rounds of rule 3 (`_plan_around_xla_peaks`), each one more compile of a plan over XLA's share.
 # Four: GPflow VGP's Matérn-5/2 gradient peaks in four places in turn (the variance term,
 # the `q_sqrt` gradient's products, the Cholesky, the kernel's gradient),
-# 244.4 → 240.4 → 192.7 → 183.4 → 162.2 MiB.
+# 244.4 → 240.4 → 192.7 → 183.4 → 161.2 MiB.
 _XLA_PEAK_ROUNDS = 4

@@ -90,6 +90,8 @@ def _split(graph: Graph, seed: TensorRef, nbytes: int, xla_peak: MemoryEstimate,
                              reason=f"{where}, not split: {why}", details={"tensor": seed.name})
 
     untied = _untied(graph)
+    if seed.node not in untied:
+        return rejected("only waits read it")
     region, why = best_region(untied, seed, nbytes - 1, chunk_bytes)
     if region is None:
         return rejected(why)
