@@ -851,6 +851,32 @@ def graph_node_for(graph: Graph, xla_name: str) -> str | None:
     return None
 
 
+def held_at_xla_peak(graph: Graph, xla_peak: MemoryEstimate, *, worth: int) -> list[tuple[LiveTensor, TensorRef]]:
+    """The tensors of `graph` XLA holds at its peak (`xla_peak`, from `XlaPlan.peak`), each
+    at least 1/`worth` of the peak, largest first, each once: what XLA's live set names
+    that is a graph node's output of that size (not inside a loop's body, not made up by
+    XLA inside an op).
+
+    Example:
+        >>> [(live.name, tensor.name) for live, tensor in held_at_xla_peak(graph, plan.peak, worth=16)]
+        [('tfmem_step/Exp', 'Exp:0'), ('tfmem_step/MatMul', 'MatMul:0')]
+    """
+    found: list[tuple[LiveTensor, TensorRef]] = []
+    seen: set[TensorRef] = set()
+    for live in xla_peak.live_at_peak:
+        if live.nbytes * worth < xla_peak.peak_bytes:
+            break  # largest first: the rest are small
+        node = graph_node_for(graph, live.name)
+        if node is None or " (" in live.name:  # in a loop's body, or made up by XLA inside an op
+            continue
+        tensor = next((TensorRef(node, i) for i in range(len(graph.output_specs(node)))
+                       if graph.nbytes(TensorRef(node, i)) == live.nbytes), None)
+        if tensor is not None and tensor not in seen:
+            seen.add(tensor)
+            found.append((live, tensor))
+    return found
+
+
 def xla_schedule(graph: Graph, xla_estimate: MemoryEstimate) -> dict[str, int]:
     """The nodes of `graph` by their first step in XLA's schedule (`xla_estimate.steps`,
     from `XlaPlan.peak`); an op XLA fused into another has no step of its own."""

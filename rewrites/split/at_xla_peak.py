@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef
-from tfmem.memory import WHILE_LOOP_OPS, MemoryEstimate, graph_node_for
+from tfmem.memory import WHILE_LOOP_OPS, MemoryEstimate, held_at_xla_peak
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_SPLIT_RULE
 
@@ -63,21 +63,10 @@ def split_at_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name: str, *,
     """
     chunk_bytes = max(1, min(split_size or target, target // FIRST_CHUNK_SHARE))
     records: list[RewriteRecord] = []
-    tried: set[TensorRef] = set()
-    for live in xla_peak.live_at_peak:
-        if live.nbytes * _WORTH < xla_peak.peak_bytes:
-            break  # largest first: the rest are small
-        node = graph_node_for(graph, live.name)
-        if node is None or " (" in live.name or node not in graph:  # in a loop's body, or made up by XLA
-            continue
-        if graph.node(node).op in GRAPH_INPUT_OPS | WHILE_LOOP_OPS:
-            continue
-        seed = next((TensorRef(node, i) for i in range(len(graph.output_specs(node)))
-                     if graph.nbytes(TensorRef(node, i)) == live.nbytes), None)
-        if seed is None or seed in tried:
-            continue
-        tried.add(seed)
-        records.append(_split(graph, seed, live.nbytes, xla_peak, pass_name, chunk_bytes, split_size))
+    for live, seed in held_at_xla_peak(graph, xla_peak, worth=_WORTH):
+        # A loop emitted for an earlier seed may have taken this one in.
+        if seed.node in graph and graph.node(seed.node).op not in GRAPH_INPUT_OPS | WHILE_LOOP_OPS:
+            records.append(_split(graph, seed, live.nbytes, xla_peak, pass_name, chunk_bytes, split_size))
     return records
 
 

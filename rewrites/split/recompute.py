@@ -48,7 +48,7 @@ import tensorflow as tf
 from tfmem.config import format_size
 from tfmem.errors import first_line
 from tfmem.graph import Graph, GraphError, TensorRef, copy_node, set_node_inputs
-from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
+from tfmem.memory import MemoryEstimate, graph_node_for, held_at_xla_peak, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_PEAK_RULE
 
@@ -347,18 +347,9 @@ def recompute_across_xla_peak(graph: Graph, xla_peak: MemoryEstimate, pass_name:
             f"XLA's peak, at {xla_peak.peak_node}, is at no op of the program's own graph"))]
     positions = fused_positions(graph, own_steps)
     records: list[RewriteRecord] = []
-    tried: set[TensorRef] = set()
-    for live in xla_peak.live_at_peak:
-        if live.nbytes * worth < xla_peak.peak_bytes:
-            break  # largest first: the rest are small
-        node = graph_node_for(graph, live.name)
-        if node is None or " (" in live.name or node == peak_node:  # in a loop's body, made up by XLA
-            continue                                                 # inside an op, or made at the peak
-        tensor = next((TensorRef(node, i) for i in range(len(graph.output_specs(node)))
-                       if graph.nbytes(TensorRef(node, i)) == live.nbytes), None)
-        if tensor is None or tensor in tried:
+    for live, tensor in held_at_xla_peak(graph, xla_peak, worth=worth):
+        if tensor.node == peak_node:  # made at the peak
             continue
-        tried.add(tensor)
         for held, readers in _held_for_late_readers(graph, tensor, peak_node, own_steps, positions,
                                                     least=live.nbytes // 2):
             records.append(_recompute_held(graph, held, readers, live.nbytes // worth, xla_peak, peak_node,
