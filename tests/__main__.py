@@ -11,30 +11,38 @@ reached 61,400 maps at aad6a0c, and 20 more tests crashed it (`tests/conftest.py
 stops a session that nears the limit, saying so, and reports the count at its end).
 
 Each test file goes to the first part one of whose patterns it matches; the files no
-pattern matches form the last part, so no file is ever left out. The parts run one after
-another, except the first, `BESIDE`: the benchmark tests, which mostly wait on the
-corpus's trial processes (one at a time, `tests/background.py`), run beside all the
-others, as the trials ran beside the other tests when the suite was one process; its
-output is printed when it ends. A background job is read by one file only, so each job
-runs once. With test paths among the arguments, one pytest process runs just those.
+pattern matches form the last part, so no file is ever left out. Parts run `lanes()` at a
+time (two on CI's two cores), each taking the next part when one ends, in the order of
+`PARTS`: the longest first, so that the lanes end together. A part's output is printed
+whole when it ends. A test process alone keeps about 1.5 of two cores busy (XLA compiles
+on one thread, TensorFlow runs ops on both): two at once finish a fifth to a third sooner
+than one after the other (measured: two budget pipelines, 30 s at once, 37 s in turn).
+A background job is read by one file only, so each job runs once. With test paths among
+the arguments, one pytest process runs just those.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
-# Patterns relative to the repository root, as pathlib's `match` reads them.
-BESIDE = ("tests/benchmarks/test_*.py",)
+# Patterns relative to the repository root, as pathlib's `match` reads them, the longest
+# part first (each part's seconds are printed when it ends).
 PARTS: tuple[tuple[str, ...], ...] = (
-    BESIDE,
+    # The benchmark tests: they mostly wait on the corpus's trial processes (`tests/background.py`).
+    ("tests/benchmarks/test_*.py",),
     ("tests/rewrites/test_[a-r]*.py",),
-    ("tests/rewrites/test_[s-z]*.py",),
-    # The rest: tfmem, the GPflow integration and the doctests.
+    ("tests/rewrites/test_split*.py",),
+    ("tests/tfmem/test_*.py",),
+    ("tests/rewrites/test_*.py",),
+    # The rest: the GPflow integration, the doctests and the runner.
 )
+LANES_VARIABLE = "TFMEM_TEST_LANES"
 
 
 def test_files() -> list[Path]:
@@ -46,8 +54,9 @@ def parts(files: list[Path]) -> list[list[Path]]:
     """`files` split by `PARTS`, the files no pattern matches last (empty parts dropped).
 
     >>> parts([Path("tests/rewrites/test_split.py"), Path("tests/tfmem/test_graph.py"),
-    ...        Path("tests/benchmarks/test_corpus.py"), Path("tests/rewrites/test_recompute.py")])
-    [[PosixPath('tests/benchmarks/test_corpus.py')], [PosixPath('tests/rewrites/test_recompute.py')], [PosixPath('tests/rewrites/test_split.py')], [PosixPath('tests/tfmem/test_graph.py')]]
+    ...        Path("tests/benchmarks/test_corpus.py"), Path("tests/rewrites/test_sink.py"),
+    ...        Path("tests/test_doctests.py")])
+    [[PosixPath('tests/benchmarks/test_corpus.py')], [PosixPath('tests/rewrites/test_split.py')], [PosixPath('tests/tfmem/test_graph.py')], [PosixPath('tests/rewrites/test_sink.py')], [PosixPath('tests/test_doctests.py')]]
     """
     split: list[list[Path]] = [[] for _ in range(len(PARTS) + 1)]
     for path in files:
@@ -60,8 +69,19 @@ def _names_tests(arg: str) -> bool:
     return not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
 
 
-def _pytest(args: list[str], files: list[Path], **popen: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pytest", *args, *map(str, files)], cwd=ROOT, **popen)
+def lanes() -> int:
+    """Parts at a time: `TFMEM_TEST_LANES`, else two (one where the machine has one core)."""
+    value = os.environ.get(LANES_VARIABLE)
+    if value is None:
+        return min(2, os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"{LANES_VARIABLE}={value!r}: give a whole number of parts at a time, at least 1")
+    return int(value)
+
+
+def _pytest(args: list[str], files: list[Path], log: IO[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pytest", *args, *map(str, files)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 def main(args: list[str]) -> int:
@@ -70,23 +90,30 @@ def main(args: list[str]) -> int:
     if any(_names_tests(arg) for arg in args):
         return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
     runs = parts(test_files())
+    width = lanes()
+    print(f"== tests: {len(runs)} parts, {width} at a time; each part's output comes when it ends", flush=True)
     start = time.perf_counter()
-    beside, log = None, tempfile.TemporaryFile(mode="w+")
-    if any(runs[0][0].match(p) for p in BESIDE):
-        print(f"== tests part 1 of {len(runs)}, beside the others: {len(runs[0])} files "
-              f"({runs[0][0]} … {runs[0][-1]}); its output comes when it ends", flush=True)
-        beside = _pytest(args, runs[0], stdout=log, stderr=subprocess.STDOUT)
+    waiting = list(enumerate(runs, 1))
+    running: dict[int, tuple[subprocess.Popen, IO[str], float]] = {}
     codes: dict[int, int] = {}
-    for number, files in enumerate(runs, 1):
-        if number == 1 and beside is not None:
-            continue
-        print(f"== tests part {number} of {len(runs)}: {len(files)} files ({files[0]} … {files[-1]})", flush=True)
-        codes[number] = _pytest(args, files).wait()
-    if beside is not None:
-        codes[1] = beside.wait()
-        log.seek(0)
-        print(f"== tests part 1 of {len(runs)} (beside the others):", flush=True)
-        sys.stdout.write(log.read())
+    while waiting or running:
+        while waiting and len(running) < width:
+            number, files = waiting.pop(0)
+            print(f"== tests part {number} of {len(runs)} starts: {len(files)} files ({files[0]} … {files[-1]})",
+                  flush=True)
+            log = tempfile.TemporaryFile(mode="w+")
+            running[number] = (_pytest(args, files, log), log, time.perf_counter())
+        time.sleep(0.5)
+        for number, (process, log, began) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[number]
+            codes[number] = process.returncode
+            log.seek(0)
+            print(f"== tests part {number} of {len(runs)} ended ({time.perf_counter() - began:.0f} s):", flush=True)
+            sys.stdout.write(log.read())
+            sys.stdout.flush()
+            log.close()
     # pytest's code 5 is "no tests collected": a -k that selects nothing in one part.
     summary = ", ".join(f"part {number}: {'passed' if code in (0, 5) else f'exit code {code}'}"
                         for number, code in sorted(codes.items()))

@@ -21,6 +21,14 @@ def random_inputs(rng: np.random.Generator, shapes: Sequence[Sequence[int]], dty
     return [tf.constant(rng.normal(size=s), dtype) for s in shapes]
 
 
+def pairwise_distances(x: tf.Tensor) -> tf.Tensor:
+    """The `[n, n]` Euclidean distances between `x`'s rows, as GPflow's stationary kernels
+    compute them (`‖x‖² + ‖y‖² − 2xyᵀ`, kept off zero before the square root): the maps
+    of a kernel's distances are what the XLA-peak rules' tests split, copy and order."""
+    sq = tf.reduce_sum(x * x, 1)
+    return tf.sqrt(tf.maximum(sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True), 1e-36))
+
+
 def assert_close(got: Any, want: Any, dtype: tf.DType) -> None:
     """Equal structures of tensors, within 1e-4 (float32) or 1e-10 (float64) relative.
 

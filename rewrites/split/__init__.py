@@ -96,8 +96,12 @@ class _ActOnXlaPeaks(GraphPass):
     act: Callable[[Graph, MemoryEstimate, str], list[RewriteRecord]]
 
     def run(self, graph: Graph, context: PassContext) -> PassResult:
-        records = [record for peak in self.peaks(context) for record in type(self).act(graph, peak, self.name)]
+        records = [record for peak in self.peaks(context) for record in self.act_on(graph, peak, context)]
         return PassResult(graph, any(r.status == "fired" for r in records), records)
+
+    def act_on(self, graph: Graph, peak: MemoryEstimate, context: PassContext) -> list[RewriteRecord]:
+        """This rule on one of XLA's peaks (`act`, unless a rule needs more of the context)."""
+        return type(self).act(graph, peak, self.name)
 
     def peaks(self, context: PassContext) -> list[MemoryEstimate]:
         """XLA's peaks this rule acts on: every one, but those kept with other rules alone."""
@@ -153,11 +157,8 @@ class SplitAtXlaPeak(_ActOnXlaPeaks):
     name = "split_at_xla_peak"
     reads = frozenset({"memory_budget", "tensor_split_size"})
 
-    def run(self, graph: Graph, context: PassContext) -> PassResult:
-        target = context.target_bytes
-        if target is None:
-            return PassResult(graph, False, [])
-        records = [record for peak in self.peaks(context)
-                   for record in split_at_xla_peak(graph, peak, self.name, target=target,
-                                                   split_size=context.config.split_size)]
-        return PassResult(graph, any(r.status == "fired" for r in records), records)
+    def act_on(self, graph: Graph, peak: MemoryEstimate, context: PassContext) -> list[RewriteRecord]:
+        if context.target_bytes is None:
+            return []
+        return split_at_xla_peak(graph, peak, self.name, target=context.target_bytes,
+                                 split_size=context.config.split_size)

@@ -42,7 +42,7 @@ from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_SPLIT_RULE
 
 from rewrites.split.order import TiedLeaf, can_order, computed_after, made_from_inputs, tied_leaves
-from rewrites.split.planner import FIRST_CHUNK_SHARE, Planner, best_region
+from rewrites.split.planner import FIRST_CHUNK_SHARE, Planner, at_least_two_chunks, best_region
 from rewrites.split.regions import GRAPH_INPUT_OPS, SliceRegion
 
 # A tensor counts as one XLA holds at its peak when it is at least 1/_WORTH of the peak.
@@ -95,9 +95,7 @@ def _split(graph: Graph, seed: TensorRef, nbytes: int, xla_peak: MemoryEstimate,
             raise GraphError("its waits could not be fitted to the loop: it loses "
                              + ", ".join(f"{name} ({again.boundaries.get(TensorRef(name), 'made outside')})"
                                          for name in lost[:3]))
-        chunk = _chunk_for(graph, again, chunk_bytes)
-        if chunk >= again.size:
-            chunk = -(-again.size // 2)  # a loop of one chunk saves nothing: at least two
+        chunk = at_least_two_chunks(_chunk_for(graph, again, chunk_bytes), again.size)
         planner = Planner(pass_name, graph, split_size=split_size)
         loop = planner.emit(again, chunk, max_write_out=nbytes - 1)
     except (GraphError, ValueError, TypeError, KeyError, tf.errors.OpError) as err:
@@ -113,8 +111,9 @@ def _untied(graph: Graph) -> Graph:
     """A copy of `graph` in which every leaf passed through a tie is read as it is."""
     untied = graph.copy()
     ties = tied_leaves(untied)
+    passed_from = _passed_from(ties)
     for tied in ties:
-        untied.replace_all_uses(TensorRef(tied.node), _bare(ties, tied.leaf))
+        untied.replace_all_uses(TensorRef(tied.node), _bare(passed_from, tied.leaf))
     untied.prune()
     return untied
 
@@ -132,6 +131,7 @@ def _fit_ties(graph: Graph, region: SliceRegion) -> None:
     ties = [tied for tied in tied_leaves(graph) if tied.tie.node in members]
     if not ties:
         return
+    passed_from = _passed_from(ties)
     varying = made_from_inputs(graph)
     after_ties = graph.descendants(*(tied.node for tied in ties))  # a wait on these would wait for itself
     feeds = [feed.ref for feed in region.feeds(graph)
@@ -151,7 +151,7 @@ def _fit_ties(graph: Graph, region: SliceRegion) -> None:
                 if latest is None:
                     raise GraphError(f"{tied.node} waits for {tied.tie.name}, which the loop computes in chunks, "
                                      "and the loop reads nothing made late enough to wait for instead")
-                leaf = _bare(ties, tied.leaf)
+                leaf = _bare(passed_from, tied.leaf)
                 if leaf not in passed:
                     [passed[leaf]] = graph.splice(computed_after, [latest, leaf], scope="tfmem_split_after")
                 graph.set_input(reader, slot, passed[leaf])
@@ -181,9 +181,14 @@ def _chunk_for(graph: Graph, region: SliceRegion, budget: int) -> int:
     return int(min(region.size, max(1, budget // max(per_unit, 1))))
 
 
-def _bare(ties: list[TiedLeaf], leaf: TensorRef) -> TensorRef:
-    """`leaf` before any of `ties` passed it: a copy of a copy passes a leaf through two."""
-    passed = {TensorRef(tied.node): tied.leaf for tied in ties}
-    while leaf in passed:
-        leaf = passed[leaf]
+def _passed_from(ties: list[TiedLeaf]) -> dict[TensorRef, TensorRef]:
+    """Each tie's output, mapped to the leaf it passes."""
+    return {TensorRef(tied.node): tied.leaf for tied in ties}
+
+
+def _bare(passed_from: dict[TensorRef, TensorRef], leaf: TensorRef) -> TensorRef:
+    """`leaf` before any tie passed it (`passed_from`, from `_passed_from`): a copy of a
+    copy passes a leaf through two."""
+    while leaf in passed_from:
+        leaf = passed_from[leaf]
     return leaf

@@ -347,9 +347,7 @@ class Planner:
             if region is None:
                 self._reject(seed, reason)
                 continue
-            chunk = chunk_length(graph, region, chunk_budget)
-            if chunk >= region.size:
-                chunk = -(-region.size // 2)  # a loop of one chunk saves nothing: at least two
+            chunk = at_least_two_chunks(chunk_length(graph, region, chunk_budget), region.size)
             checkpoint = self._checkpoint()
             loop = self.emit(region, chunk, max_write_out=live.nbytes - 1)
             after = estimate_memory(graph)
@@ -927,3 +925,13 @@ def chunk_length(graph: Graph, region: SliceRegion, split_size: int) -> int:
     """The chunk length that keeps the region's largest tensor within `split_size`."""
     per_unit = max(region.per_unit_bytes(graph), 1)
     return int(min(region.size, max(1, split_size // per_unit)))
+
+
+def at_least_two_chunks(chunk: int, size: int) -> int:
+    """`chunk`, or half of `size` (rounded up) when `chunk` would take all of it in one:
+    a loop of one chunk saves nothing.
+
+    >>> at_least_two_chunks(300, 1000), at_least_two_chunks(1000, 1000), at_least_two_chunks(5000, 7)
+    (300, 500, 4)
+    """
+    return chunk if chunk < size else -(-size // 2)

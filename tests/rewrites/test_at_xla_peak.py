@@ -18,23 +18,18 @@ import tfmem
 from rewrites.split.at_xla_peak import split_at_xla_peak
 from rewrites.split.order import computed_after, tied_leaves
 from tfmem.graph import Graph, TensorRef
-from tfmem.testing import run_graph, xla_peak_holding
+from tfmem.testing import pairwise_distances, run_graph, xla_peak_holding
 
 SPLIT = "SplitAtXlaPeak"
 N = 400
 SQRT5 = np.sqrt(5.0)
 
 
-def _distances(x: tf.Tensor) -> tf.Tensor:
-    sq = tf.reduce_sum(x * x, 1)
-    return tf.sqrt(tf.maximum(sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True), 1e-36))
-
-
 def matern_gradient(x: tf.Tensor, w: tf.Tensor, ell: tf.Tensor) -> tf.Tensor:
     """The gradient of `Σ K ⊙ W` in the lengthscales, K a Matérn-5/2 kernel matrix."""
     with tf.GradientTape() as tape:
         tape.watch(ell)
-        r = _distances(x / ell)
+        r = pairwise_distances(x / ell)
         k = (1.0 + SQRT5 * r + 5.0 / 3.0 * tf.square(r)) * tf.exp(-SQRT5 * r)
         loss = tf.reduce_sum(k * w)
     return tape.gradient(loss, ell)
@@ -43,9 +38,9 @@ def matern_gradient(x: tf.Tensor, w: tf.Tensor, ell: tf.Tensor) -> tf.Tensor:
 def tied_rows(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """Row sums of `e ⊙ d'`, `d'` a copy of the distances that waits for `e` (as a copy
     `recompute` makes does), and a reader of the passed points after them."""
-    e = tf.exp(-_distances(x))
+    e = tf.exp(-pairwise_distances(x))
     [later] = computed_after(e, x)
-    return tf.reduce_sum(e * _distances(later), 1), tf.reduce_sum(later)
+    return tf.reduce_sum(e * pairwise_distances(later), 1), tf.reduce_sum(later)
 
 
 def _captured(fn, *specs):
@@ -102,7 +97,7 @@ def test_the_kernel_gradients_maps_xla_holds_are_made_in_chunks():
 def test_a_peak_of_tensors_nothing_sums_is_left_as_it_is():
     # The factor of a Cholesky is needed whole: no region, no change.
     def logdet(x):
-        chol = tf.linalg.cholesky(tf.exp(-_distances(x)) + 0.1 * tf.eye(x.shape[0], dtype=x.dtype))
+        chol = tf.linalg.cholesky(tf.exp(-pairwise_distances(x)) + 0.1 * tf.eye(x.shape[0], dtype=x.dtype))
         return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(chol)))
 
     graph, _ = _captured(logdet, tf.TensorSpec([N, 3], tf.float64))

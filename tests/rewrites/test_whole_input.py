@@ -18,20 +18,15 @@ import tfmem
 from rewrites.split.whole_input import whole_input_before_xla_peak
 from tfmem.capture import capture
 from tfmem.memory import MemoryEstimate
-from tfmem.testing import run_graph, xla_peak_holding
+from tfmem.testing import pairwise_distances, run_graph, xla_peak_holding
 
 WHOLE = "WholeInputBeforeXlaPeak"
 N = 1000
 SQRT5 = np.sqrt(5.0)
 
 
-def _distances(x: tf.Tensor) -> tf.Tensor:
-    sq = tf.reduce_sum(x * x, 1)
-    return tf.sqrt(tf.maximum(sq[:, None] + sq[None, :] - 2.0 * tf.matmul(x, x, transpose_b=True), 1e-36))
-
-
 def matern52_logdet(x: tf.Tensor) -> tf.Tensor:
-    r = _distances(x)
+    r = pairwise_distances(x)
     k = (1.0 + SQRT5 * r + 5.0 / 3.0 * tf.square(r)) * tf.exp(-SQRT5 * r)
     chol = tf.linalg.cholesky(k + 1e-3 * tf.eye(x.shape[0], dtype=x.dtype))
     return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(chol)))
@@ -128,7 +123,7 @@ def test_an_input_sized_by_a_variable_is_made_in_a_loop_reading_that_term_whole(
     num_data = tf.Variable(N)
 
     def jittered_logdet(x):
-        r = _distances(x)
+        r = pairwise_distances(x)
         k = (1.0 + SQRT5 * r) * tf.exp(-SQRT5 * r) + 1e-3 * tf.eye(tf.convert_to_tensor(num_data), dtype=x.dtype)
         return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(tf.linalg.cholesky(k))))
 
@@ -149,7 +144,7 @@ def test_an_input_sized_by_a_variable_is_made_in_a_loop_reading_that_term_whole(
 
 def matern32_logdet_plus_trace(x: tf.Tensor) -> tf.Tensor:
     """A Matérn-3/2 kernel with its own jitter, and a second reader of the factor."""
-    r = _distances(x / 0.7)
+    r = pairwise_distances(x / 0.7)
     k = (1.0 + np.sqrt(3.0) * r) * tf.exp(-np.sqrt(3.0) * r)
     chol = tf.linalg.cholesky(k + 0.05 * tf.eye(x.shape[0], dtype=x.dtype))
     return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(chol))) + tf.reduce_sum(chol ** 2)
