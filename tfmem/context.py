@@ -17,6 +17,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, MutableMapping
+from typing import Any
 
 from tfmem.budget import Budget
 from tfmem.config import Config
@@ -41,6 +43,11 @@ class PassContext:
             or None: all): `compile_within_budget` tries them one at a time on the newest
             peak when together they did not help, and keeps, for each older peak, only the
             passes its plan was kept with.
+        memo: results a pass computed earlier on this trace, by a key the pass makes
+            (None: none kept). `compile_within_budget` runs the pipeline again for each
+            of its rounds, from the same graph; a pass whose work depends only on what
+            the key names (the split planner: the graph's fingerprint and the sizes it
+            plans to) does it once.
 
     `budget` and `target_bytes` derive from the config key `memory_budget` (and the
     device): a pass that reads them declares `memory_budget` in its `GraphPass.reads`.
@@ -51,6 +58,7 @@ class PassContext:
     target_bytes: int | None = None
     xla_peaks: tuple[MemoryEstimate, ...] = ()
     peak_rules: tuple[frozenset[str] | None, ...] = ()
+    memo: MutableMapping[Hashable, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def rules_at_peak(self, position: int) -> frozenset[str] | None:
         """The passes that may act on `xla_peaks[position]` (None: all)."""

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -312,6 +313,26 @@ class Graph:
         self._consumer_index, self._topological = copy._consumer_index, copy._topological
         self._derived = copy._derived
         self._parsed, self._specs, self._name_counter = copy._parsed, copy._specs, copy._name_counter
+
+    def fingerprint(self) -> str:
+        """A digest of all a pass reads of this graph: its nodes in order, its function
+        library, versions, outputs and kept names, and the counter fresh names come from.
+        Graphs with one fingerprint are rewritten alike (passes are deterministic).
+
+        >>> import tensorflow as tf
+        >>> g = Graph(tf.function(lambda x: x * 2.0).get_concrete_function(tf.TensorSpec([2])).graph.as_graph_def())
+        >>> g.fingerprint() == g.copy().fingerprint(), g.fingerprint() == Graph(g.to_graph_def(), keep=["x"]).fingerprint()
+        (True, False)
+        """
+        digest = hashlib.sha256()
+        for node in self._nodes.values():
+            serialized = node.SerializeToString(deterministic=True)
+            digest.update(len(serialized).to_bytes(8, "little"))
+            digest.update(serialized)
+        digest.update(self.library.SerializeToString(deterministic=True))
+        digest.update(self.versions.SerializeToString(deterministic=True))
+        digest.update(repr(([ref.name for ref in self.outputs], sorted(self.keep), self._name_counter)).encode())
+        return digest.hexdigest()
 
     def __len__(self) -> int:
         return len(self._nodes)

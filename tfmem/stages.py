@@ -65,6 +65,8 @@ class Traced:
     # passes that ran: reused when the same passes run again under another target or budget.
     _prefixes: dict[Any, dict[Any, PipelineResult]] = dataclasses.field(default_factory=dict, compare=False,
                                                                         repr=False)
+    # What passes computed on this trace that the next pipeline run reuses (`PassContext.memo`).
+    _memo: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def graph(self) -> Graph:
@@ -111,6 +113,7 @@ class Traced:
             context = context.seeing(*xla_peaks)
         if peak_rules:
             context = dataclasses.replace(context, peak_rules=tuple(peak_rules))
+        context = dataclasses.replace(context, memo=self._memo)
         # The registered pipeline is made anew from the config; given passes are the same objects.
         # Plans with and without the passes XLA decides on share a cached prefix only as far as
         # their passes agree: `PassManager.prefix_key` names the passes each prefix ran.

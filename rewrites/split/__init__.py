@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tfmem.budget import PlanVerdict
 from tfmem.context import PassContext
 from tfmem.graph import Graph
 from tfmem.memory import MemoryEstimate
@@ -75,10 +76,35 @@ class SplitOversizedRegions(GraphPass):
             planner.sink_all(threshold, None, config.split_size)
             planner.split_all(threshold, config.split_size)
             return PassResult(graph, bool(planner.loops), planner.records)
-        planner, verdict = Planner.within(self.name, graph, target, threshold, config.split_size)
+        planner, verdict = _planned_within(self.name, graph, context)
         if context.xla_peaks and context.budget is not None:
             planner.shrink_at_xla_peaks(context.xla_peaks, context.budget.xla_bytes)
         return PassResult(planner.graph, bool(planner.loops), planner.records, verdict=verdict)
+
+
+# Plans `_planned_within` keeps per trace: a plan for each target `compile_within_budget` tries.
+_PLANS_KEPT = 4
+
+
+def _planned_within(pass_name: str, graph: Graph, context: PassContext) -> tuple[Planner, PlanVerdict]:
+    """`Planner.within` for the context's target, or a copy of the plan made earlier on this
+    trace for the same graph and sizes (`PassContext.memo`): each round of
+    `compile_within_budget` runs the pipeline again from the same graph, and the split
+    planner, the longest pass, would plan the same loops again."""
+    config, target = context.config, context.target_bytes
+    assert target is not None
+    key = ("split_within", pass_name, graph.fingerprint(), target, config.tensor_size_threshold, config.split_size)
+    memo = context.memo
+    if memo is not None and key in memo:
+        planner, verdict = memo[key]
+        return planner.copy(), verdict
+    planner, verdict = Planner.within(pass_name, graph, target, config.tensor_size_threshold, config.split_size)
+    if memo is not None:
+        kept = [k for k in memo if isinstance(k, tuple) and k[:1] == ("split_within",)]
+        for old in kept[:max(0, len(kept) + 1 - _PLANS_KEPT)]:
+            del memo[old]
+        memo[key] = (planner.copy(), verdict)
+    return planner, verdict
 
 
 class _ActOnXlaPeaks(GraphPass):

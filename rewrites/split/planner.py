@@ -22,6 +22,7 @@ rejected one (with the reason), and the budget's verdict.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -181,6 +182,15 @@ class Planner:
         self.given_up: set[TensorRef] = set()
         self.not_recomputed: set[tuple[TensorRef, str | None]] = set()  # (tensor, peak node) tried
         self.seen_regions: set[tuple[str, ...]] = set()
+
+    def copy(self) -> Planner:
+        """An independent copy: its own graph, records, loops and seeds tried."""
+        other = copy.copy(self)
+        other.graph = self.graph.copy()
+        other.records, other.loops = list(self.records), list(self.loops)
+        other.given_up, other.not_recomputed = set(self.given_up), set(self.not_recomputed)
+        other.seen_regions = set(self.seen_regions)
+        return other
 
     # --- by threshold -----------------------------------------------------------------
 
@@ -778,9 +788,9 @@ class Planner:
 
 
 def _copy(node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
-    copy = node_def_pb2.NodeDef()
-    copy.CopyFrom(node)
-    return copy
+    duplicate = node_def_pb2.NodeDef()
+    duplicate.CopyFrom(node)
+    return duplicate
 
 
 def _without_pruned(region: SliceRegion, graph: Graph) -> SliceRegion:

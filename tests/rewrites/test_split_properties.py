@@ -32,6 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfmem
+from tfmem.testing import max_in_loss
 
 _EPS = 1e-2  # keeps denominators away from 0, where rounding noise would dominate the answer
 
@@ -177,17 +178,6 @@ def test_split_gradients_from_outer_tape_equal_unsplit(program: Program) -> None
 # Such a tensor is made once: a loop reads it sliced, or the split is refused with a reason.
 
 ONE_EVALUATION = "a comparison must see one evaluation"
-
-
-def max_in_loss(q: tf.Tensor, k: tf.Tensor) -> tuple[tf.Tensor, ...]:
-    """A hand-written softmax with its row maximum differentiated, plus `max(s)`."""
-    with tf.GradientTape() as tape:
-        tape.watch([q, k])
-        s = q @ tf.transpose(k) / 4.0
-        e = tf.exp(s - tf.reduce_max(s, axis=1, keepdims=True))
-        p = e / tf.reduce_sum(e, 1, keepdims=True)
-        loss = tf.reduce_sum(p * s) + tf.reduce_max(s)
-    return (loss, *tape.gradient(loss, [q, k]))
 
 
 def attention_and_max(q: tf.Tensor, k: tf.Tensor) -> tuple[tf.Tensor, ...]:

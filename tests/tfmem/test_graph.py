@@ -114,6 +114,21 @@ def test_graph_copies_the_graph_def() -> None:
     assert [n.name for n in rebuilt.node].index(exp.name) < len(rebuilt.node)
 
 
+def test_the_fingerprint_follows_what_passes_read() -> None:
+    graph, _ = traced(lambda x: tf.exp(x) * 2.0, SPEC)
+    same = graph.copy()
+    assert same.fingerprint() == graph.fingerprint()
+    (exp,) = list(graph.find("Exp"))
+    same.node(exp.name).op = "Log"
+    assert same.fingerprint() != graph.fingerprint()  # a node's content
+    kept = graph.copy()
+    kept.keep.add(exp.name)
+    assert kept.fingerprint() != graph.fingerprint()  # what pruning keeps
+    named = graph.copy()
+    named.unique_name(exp.name)  # taken: the counter fresh names come from moves on
+    assert len(named) == len(graph) and named.fingerprint() != graph.fingerprint()
+
+
 def test_library_functions_are_carried() -> None:
     def fn(x):
         return tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 2.0), (0, x))[1]
