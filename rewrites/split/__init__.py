@@ -95,14 +95,17 @@ def _planned_within(pass_name: str, graph: Graph, context: PassContext) -> tuple
     assert target is not None
     key = ("split_within", pass_name, graph.fingerprint(), target, config.tensor_size_threshold, config.split_size)
     memo = context.memo
-    if memo is not None and key in memo:
-        planner, verdict = memo[key]
+    found = memo.get(key) if memo is not None else None
+    if found is not None:
+        planner, verdict = found
         return planner.copy(), verdict
     planner, verdict = Planner.within(pass_name, graph, target, config.tensor_size_threshold, config.split_size)
     if memo is not None:
-        kept = [k for k in memo if isinstance(k, tuple) and k[:1] == ("split_within",)]
+        # Replicas of a tf.distribute program may plan one trace from several threads: no
+        # step below fails when another thread changes the memo between them.
+        kept = [k for k in list(memo) if isinstance(k, tuple) and k[:1] == ("split_within",)]
         for old in kept[:max(0, len(kept) + 1 - _PLANS_KEPT)]:
-            del memo[old]
+            memo.pop(old, None)
         memo[key] = (planner.copy(), verdict)
     return planner, verdict
 
