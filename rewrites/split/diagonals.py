@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -141,10 +142,11 @@ def lower_band_parts(graph: Graph, limit: int) -> dict[TensorRef, TensorRef]:
     return lowered
 
 
-def band_part_as_select(graph: Graph, band: str, *, scope: str) -> TensorRef | None:
+def band_part_as_select(graph: Graph, band: str, *, scope: str, offset: TensorRef | None = None) -> TensorRef | None:
     """Replaces the `MatrixBandPart` node `band` by `band_as_select` of its matrix (its readers
     read the select; the caller prunes); returns the select, or None when the band's limits
-    are not constants or its shape is not static (the band is left as it is)."""
+    are not constants or its shape is not static (the band is left as it is). `offset`: an
+    int32 scalar zero the select's row iota adds (`bands_offset_by`)."""
     matrix, lower_ref, upper_ref = graph.inputs(band)
     shape = graph.spec(matrix).shape
     lower, upper = graph.constant_value(lower_ref), graph.constant_value(upper_ref)
@@ -152,15 +154,50 @@ def band_part_as_select(graph: Graph, band: str, *, scope: str) -> TensorRef | N
         return None
     select = functools.partial(band_as_select, rows=int(shape[-2]), cols=int(shape[-1]),
                                lower=int(lower), upper=int(upper))
-    [new] = graph.splice(select, [matrix], scope=scope)
+    if offset is None:
+        [new] = graph.splice(select, [matrix], scope=scope)
+    else:
+        [new] = graph.splice(lambda x, zero: select(x, offset=zero), [matrix, offset], scope=scope)
     graph.replace_all_uses(TensorRef(band), new)
     return new
 
 
-def band_as_select(x: tf.Tensor, rows: int, cols: int, lower: int, upper: int) -> tf.Tensor:
+def bands_offset_by(graph: Graph, nodes: Sequence[str], *, scope: str) -> tuple[list[str], TensorRef | None]:
+    """`nodes` with each `MatrixBandPart` among them lowered to `band_as_select`, its row
+    iota offset by a new int32 zero (a `Const` outside `nodes`); returns the nodes after
+    (in topological order, the selects' ops included) and that zero (None: no band).
+
+    For a loop of one trip (`order.once_in_a_loop`) that reads the zero through its trip
+    counter. XLA lowers a band part to a select by a mask made of iotas; with constant
+    limits, the mask (or the `iota_r - iota_c` it compares) is made of constants alone,
+    and XLA hoists it out of the loop and holds it whole until the loop runs (GPflow VGP's
+    `q_sqrt` gradient fold, N=2,000: a bool [2000, 2000] across XLA's peak, an int32 one
+    when the limits alone vary). Offset by a value of the loop, the mask is made in the
+    loop, fused into its select, and never stored.
+    """
+    bands = [name for name in nodes if graph.node(name).op == "MatrixBandPart"]
+    if not bands:
+        return list(nodes), None
+    before = {node.name for node in graph.nodes}
+    [zero] = graph.splice(lambda: tf.zeros([], tf.int32), [], scope=f"{scope}_zero")
+    lowered = {band for band in bands
+               if band_part_as_select(graph, band, scope=f"{band}{LOWERED_SCOPE_SUFFIX}", offset=zero) is not None}
+    if not lowered:
+        graph.remove(zero.node)
+        return list(nodes), None
+    keep = (set(nodes) - lowered) | ({node.name for node in graph.nodes} - before - {zero.node})
+    for band in lowered:
+        if not graph.node_consumers(band):
+            graph.remove(band)
+    return [node.name for node in graph.nodes if node.name in keep], zero
+
+
+def band_as_select(x: tf.Tensor, rows: int, cols: int, lower: int, upper: int,
+                   offset: tf.Tensor | None = None) -> tf.Tensor:
     """`band_part(x, lower, upper)` as `where(B, x, 0)`, B the band as compares of the row and
     column iotas (`[rows, 1]` against `[1, cols]`): made of only the compares its limits ask
-    for, so XLA fuses them into the select's reader and never stores B.
+    for, so XLA fuses them into the select's reader and never stores B. `offset`: an int32
+    zero added to the row iota (a value of a loop, so that XLA does not hoist B out of it).
 
     Example:
         >>> band_as_select(tf.ones([3, 3]), 3, 3, -1, 0).numpy()   # band_part(x, -1, 0)
@@ -168,7 +205,8 @@ def band_as_select(x: tf.Tensor, rows: int, cols: int, lower: int, upper: int) -
                [1., 1., 0.],
                [1., 1., 1.]], dtype=float32)
     """
-    below = tf.expand_dims(tf.range(rows), 1) - tf.expand_dims(tf.range(cols), 0)  # i - j
+    row = tf.range(rows) if offset is None else tf.range(rows) + offset
+    below = tf.expand_dims(row, 1) - tf.expand_dims(tf.range(cols), 0)  # i - j
     # A whole `ones` [rows, cols] beside the compares (for a limit of -1) would be a constant
     # of the matrix's size, sliced into a loop instead of made in it.
     keeps = ([below <= lower] if lower >= 0 else []) + ([-below <= upper] if upper >= 0 else [])

@@ -43,6 +43,7 @@ from tfmem.memory import MemoryEstimate, graph_node_for, xla_schedule
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_HELD_RULE
 
+from rewrites.split.diagonals import bands_offset_by
 from rewrites.split.fragment import fragment
 from rewrites.split.order import can_order, computed_after, input_to_tie, made_from_inputs, once_in_a_loop
 from rewrites.split.recompute import CHEAP_OPS, PRODUCT_OPS
@@ -238,6 +239,8 @@ def _fold_feeds(graph: Graph, fold: Fold) -> set[str]:
 def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
     """Splices `fold` into a loop of one trip and points its readers at the loop's results;
     returns those results (the small ones, then one partial sum per sum)."""
+    nodes, zero = bands_offset_by(graph, fold.nodes, scope="tfmem_fold_band")
+    fold = dataclasses.replace(fold, nodes=tuple(nodes))
     cut = fragment(graph, fold.nodes)
     feeds = list(cut.feeds)
     small = list(fold.small)
@@ -252,8 +255,8 @@ def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
         given = dict(zip(feeds, values))
 
         def fold_once(through: Callable[[tf.Tensor], tf.Tensor]) -> list[tf.Tensor]:
-            local = {key: tf.identity(t) for key, t in given.items()}
-            local[fold.source] = through(local[fold.source])  # the fold is not hoisted out of the loop
+            # Nothing of the fold is hoisted out of the loop: not its source, nor its band masks.
+            local = {key: through(t) if key in (fold.source, zero) else tf.identity(t) for key, t in given.items()}
             imported = dict(zip(made, cut.import_into(local, made, name="fold")))
             got = iter(imported[ref] if ref in imported else local[ref] for ref in wanted)
             results = [next(got) for _ in small]

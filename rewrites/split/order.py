@@ -60,8 +60,10 @@ def once_in_a_loop(tie: tf.Tensor, specs: Sequence[tf.TensorSpec],
     there dies there.
 
     `compute(through)` builds the results (of `specs`' dtypes and shapes); `through(t)` is
-    float `t` read through the trip counter (`t - 0·[i < -2]`, the same bits), so that XLA
-    cannot hoist what is made from it out of the loop.
+    `t` read through the trip counter, the same bits (a float `t - 0·[i < -2]`, an integer
+    `t + [i < -2]`: the trips count from -1 or 0, which XLA cannot know), so that XLA
+    cannot hoist what is made from it out of the loop. Pass the body's float inputs
+    through it, and the offset of its band masks (`diagonals.bands_offset_by`).
 
     Example:
         >>> x = tf.constant([[1.0, 2.0]])
@@ -78,6 +80,8 @@ def once_in_a_loop(tie: tf.Tensor, specs: Sequence[tf.TensorSpec],
 
     def body(i: tf.Tensor, *_: tf.Tensor) -> list[tf.Tensor]:
         def through(t: tf.Tensor) -> tf.Tensor:
+            if t.dtype.is_integer:  # XLA folds an integer 0·x: add the (false) test itself
+                return t + tf.cast(i < -2, t.dtype)
             return t - tf.cast(i < -2, t.dtype) * tf.zeros([], t.dtype)
 
         results = compute(through)
