@@ -83,6 +83,21 @@ def run_graph(graph: Any, concrete: Any, values: Sequence[Any]) -> list[np.ndarr
     return [t.numpy() for t in tf.function(run)(*values)]
 
 
+def whole_masks_into_loops(function: Any, args: Sequence[Any], n: int) -> list[str]:
+    """The `while` loops of XLA's optimized program of `function(*args)` that take a bool or
+    int32 `[n, n]` (a whole mask XLA hoisted out of the loop and made before it), by their
+    result types; [] when none does. Raises AssertionError when the program has no loop.
+    (`test_held` and `test_whole_input` check the one-trip loops of `rewrites.split` so.)
+    """
+    import re
+
+    hlo = function.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
+    loops = [line.split(" while(")[0].strip() for line in hlo.splitlines() if " while(" in line]
+    assert loops, "XLA's program has no loop"
+    mask = re.compile(rf"(pred|s32)\[{n},{n}\]")
+    return [loop for loop in loops if mask.search(loop)]
+
+
 def xla_peak_holding(at: str, held: Sequence[str], order: Sequence[str], *, n: int,
                      dtype: tf.DType = tf.float64) -> Any:
     """An XLA live set at its peak, as `XlaPlan.peak` reads it, for tests of the rules

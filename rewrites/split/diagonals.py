@@ -162,10 +162,12 @@ def band_part_as_select(graph: Graph, band: str, *, scope: str, offset: TensorRe
     return new
 
 
-def bands_offset_by(graph: Graph, nodes: Sequence[str], *, scope: str) -> tuple[list[str], TensorRef | None]:
+def bands_offset_by(graph: Graph, nodes: Sequence[str], *,
+                    scope: str) -> tuple[list[str], TensorRef | None, dict[TensorRef, TensorRef]]:
     """`nodes` with each `MatrixBandPart` among them lowered to `band_as_select`, its row
     iota offset by a new int32 zero (a `Const` outside `nodes`); returns the nodes after
-    (in topological order, the selects' ops included) and that zero (None: no band).
+    (in topological order, the selects' ops included), that zero (None: no band), and each
+    lowered band's output → its select.
 
     For a loop of one trip (`order.once_in_a_loop`) that reads the zero through its trip
     counter. XLA lowers a band part to a select by a mask made of iotas; with constant
@@ -177,19 +179,22 @@ def bands_offset_by(graph: Graph, nodes: Sequence[str], *, scope: str) -> tuple[
     """
     bands = [name for name in nodes if graph.node(name).op == "MatrixBandPart"]
     if not bands:
-        return list(nodes), None
+        return list(nodes), None, {}
     before = {node.name for node in graph.nodes}
     [zero] = graph.splice(lambda: tf.zeros([], tf.int32), [], scope=f"{scope}_zero")
-    lowered = {band for band in bands
-               if band_part_as_select(graph, band, scope=f"{band}{LOWERED_SCOPE_SUFFIX}", offset=zero) is not None}
+    lowered: dict[TensorRef, TensorRef] = {}
+    for band in bands:
+        select = band_part_as_select(graph, band, scope=f"{band}{LOWERED_SCOPE_SUFFIX}", offset=zero)
+        if select is not None:
+            lowered[TensorRef(band)] = select
     if not lowered:
         graph.remove(zero.node)
-        return list(nodes), None
-    keep = (set(nodes) - lowered) | ({node.name for node in graph.nodes} - before - {zero.node})
-    for band in lowered:
-        if not graph.node_consumers(band):
-            graph.remove(band)
-    return [node.name for node in graph.nodes if node.name in keep], zero
+        return list(nodes), None, {}
+    keep = (set(nodes) - {ref.node for ref in lowered}) | ({node.name for node in graph.nodes} - before - {zero.node})
+    for ref in lowered:
+        if not graph.node_consumers(ref.node) and not graph.is_output(ref):
+            graph.remove(ref.node)
+    return [node.name for node in graph.nodes if node.name in keep], zero, lowered
 
 
 def band_as_select(x: tf.Tensor, rows: int, cols: int, lower: int, upper: int,

@@ -239,7 +239,7 @@ def _fold_feeds(graph: Graph, fold: Fold) -> set[str]:
 def _fold_in_loop(graph: Graph, fold: Fold) -> list[TensorRef]:
     """Splices `fold` into a loop of one trip and points its readers at the loop's results;
     returns those results (the small ones, then one partial sum per sum)."""
-    nodes, zero = bands_offset_by(graph, fold.nodes, scope="tfmem_fold_band")
+    nodes, zero, _ = bands_offset_by(graph, fold.nodes, scope="tfmem_fold_band")
     fold = dataclasses.replace(fold, nodes=tuple(nodes))
     cut = fragment(graph, fold.nodes)
     feeds = list(cut.feeds)

@@ -41,6 +41,7 @@ from tfmem.memory import MemoryEstimate, graph_node_for
 from tfmem.passes import RewriteRecord
 from tfmem.report import XLA_WHOLE_RULE
 
+from rewrites.split.diagonals import bands_offset_by
 from rewrites.split.fragment import fragment
 from rewrites.split.order import can_order, made_from_inputs, once_in_a_loop
 from rewrites.split.recompute import FACTORIZATION_OPS, cheap_cone
@@ -107,17 +108,22 @@ def _made_in_loop(graph: Graph, source: TensorRef, nodes: list[str], leaves: lis
                   tie: TensorRef) -> TensorRef:
     """Splices a loop of one trip (`order.once_in_a_loop`) that makes `source` from `leaves`
     by `nodes`; returns its result."""
+    # The cone's band masks are made in the loop too, not hoisted out of it whole.
+    nodes, zero, lowered = bands_offset_by(graph, nodes, scope="tfmem_whole_band")
+    source = lowered.get(source, source)
     cut = fragment(graph, nodes)
     feeds = list(cut.feeds)
-    if not all(feed in leaves for feed in feeds):
+    if not all(feed in leaves or feed == zero for feed in feeds):
         raise GraphError(f"{source.name}'s cone reads tensors other than its leaves")
 
     def build(*values: tf.Tensor) -> tf.Tensor:
         given = dict(zip(feeds, values))
 
         def make(through: Callable[[tf.Tensor], tf.Tensor]) -> list[tf.Tensor]:
-            # Every float leaf through the trip counter: XLA cannot hoist the cone out of the loop.
-            local = {key: through(t) if t.dtype.is_floating else tf.identity(t) for key, t in given.items()}
+            # Every float leaf and the masks' offset through the trip counter: XLA cannot hoist
+            # the cone out of the loop.
+            local = {key: through(t) if t.dtype.is_floating or key == zero else tf.identity(t)
+                     for key, t in given.items()}
             return cut.import_into(local, [source], name="whole")
 
         [result] = once_in_a_loop(given[tie], [graph.spec(source)], make)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import tfmem
 from rewrites.split.whole_input import whole_input_before_xla_peak
-from tfmem.capture import capture
+from tfmem.capture import capture, import_as_function
 from tfmem.memory import MemoryEstimate
-from tfmem.testing import pairwise_distances, run_graph, xla_peak_holding
+from tfmem.testing import pairwise_distances, run_graph, whole_masks_into_loops, xla_peak_holding
 
 WHOLE = "WholeInputBeforeXlaPeak"
 N = 1000
@@ -103,6 +103,32 @@ def test_the_input_is_made_in_a_loop_its_held_operands_feed_no_more():
     x = tf.constant(np.random.default_rng(1).uniform(0, 1, (N, 3)))
     [got] = run_graph(graph, concrete, [x])
     assert got == float(concrete(x))  # the same ops on the same values, in a loop
+
+
+def tapered_logdet(x: tf.Tensor) -> tf.Tensor:
+    """A Matérn-1/2 kernel tapered to a band of 50 diagonals each side (a band part in the
+    cone), made positive definite by a large diagonal."""
+    r = pairwise_distances(x)
+    k = tf.linalg.band_part(tf.exp(-r), 50, 50) + 200.0 * tf.eye(x.shape[0], dtype=x.dtype)
+    return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(tf.linalg.cholesky(k))))
+
+
+def test_a_band_part_in_the_cone_is_masked_in_the_loop_and_no_whole_mask_enters_it():
+    # XLA builds a band part's mask from iotas; made of constants, it would hoist the mask
+    # out of the loop and hold it whole until the loop runs. Offset by the trip count, it
+    # is made in the loop.
+    n = 300
+    concrete = tf.function(tapered_logdet).get_concrete_function(tf.TensorSpec([n, 3], tf.float64))
+    captured = capture(concrete)
+    graph = captured.to_graph()
+    [record] = whole_input_before_xla_peak(graph, _xla_peak(graph, "Cholesky", ["MatMul", "Sqrt", "Exp"], n=n),
+                                           "test")
+    assert record.status == "fired", record
+    assert not list(graph.find("MatrixBandPart")), graph.op_counts()
+    x = tf.constant(np.random.default_rng(4).uniform(0, 1, (n, 3)))
+    function = import_as_function(captured, graph, jit_compile=True)
+    assert not whole_masks_into_loops(function, [x], n)
+    np.testing.assert_allclose(float(function(x)), float(tf.function(tapered_logdet, jit_compile=True)(x)), rtol=1e-12)
 
 
 @pytest.mark.parametrize("n", [500, 701])
