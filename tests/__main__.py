@@ -13,10 +13,10 @@ stops a session that nears the limit, saying so, and reports the count at its en
 Each test file goes to the first part one of whose patterns it matches; the files no
 pattern matches form the part at `REST`'s place, so no file is ever left out. Parts run
 `lanes()` at a time (two on CI's two cores), each taking the next part when one ends, in
-the order of `PARTS`: in the order that makes the lanes end together (measured on CI at
-57905e7, in seconds: 903, 644, 429, 330, 440 and 297 in the order below, which splits them
-1,530 to 1,513; with the rest last, one lane ran alone for its last 300 s). A part's output is printed
-whole when it ends. A test process alone keeps about 1.5 of two cores busy (XLA compiles
+the order of `PARTS`, chosen so that the lanes end together (on CI at 57905e7 the parts
+took 903, 644, 429, 330, 440 and 297 s in that order: 1,530 s beside 1,513 s; with the
+rest last, one lane ran alone for its last 300 s). A part's output is printed whole when
+it ends. A test process alone keeps about 1.5 of two cores busy (XLA compiles
 on one thread, TensorFlow runs ops on both): two at once finish a fifth to a third sooner
 than one after the other (measured: two budget pipelines, 30 s at once, 37 s in turn).
 A background job is read by one file only, so each job runs once. With test paths among

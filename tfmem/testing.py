@@ -8,6 +8,7 @@ Example:
 """
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -89,8 +90,6 @@ def whole_masks_into_loops(function: Any, args: Sequence[Any], n: int) -> list[s
     result types; [] when none does. Raises AssertionError when the program has no loop.
     (`test_held` and `test_whole_input` check the one-trip loops of `rewrites.split` so.)
     """
-    import re
-
     hlo = function.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
     loops = [line.split(" while(")[0].strip() for line in hlo.splitlines() if " while(" in line]
     assert loops, "XLA's program has no loop"
