@@ -32,7 +32,7 @@ import pytest
 
 from benchmarks.corpus.programs import CI_PROGRAMS, PROGRAMS
 from benchmarks.corpus.run import failure_reason, start_trials, tfmem_step
-from benchmarks.corpus.trial import compare
+from benchmarks.corpus.trial import compare, moved_by_one_rounding
 from tests import background
 from tfmem.config import format_size
 
@@ -114,6 +114,24 @@ def test_compare_allows_stock_own_spread_on_programs_that_amplify_rounding() -> 
     assert not compare([want[0] * 1.5], want, program, spread=1.0)["equal"]  # capped: 1e5 · rtol
 
 
+def test_the_inputs_moved_by_one_rounding_move_each_nonzero_float_one_ulp() -> None:
+    import tensorflow as tf
+
+    x = tf.constant(np.linspace(-3.0, 3.0, 2001)[1:].reshape(1000, 2))  # one zero among them
+    x32, index = tf.constant(np.arange(1.0, 7.0, dtype=np.float32)), tf.constant([3, 1])
+    moved, moved32, moved_index = moved_by_one_rounding((x, x32, index), seed=0)
+    before, after = x.numpy(), moved.numpy()
+    nonzero = before != 0
+    up, down = np.nextafter(before, np.inf), np.nextafter(before, -np.inf)
+    assert np.all(((after == up) | (after == down))[nonzero])  # the neighbouring float, one way or the other
+    assert np.all(after[~nonzero] == 0.0) and np.count_nonzero(~nonzero) == 1
+    assert 0.3 < np.mean(after[nonzero] > before[nonzero]) < 0.7  # both directions drawn
+    assert moved32.dtype == tf.float32 and np.all(moved32.numpy() != x32.numpy())
+    assert moved_index is index
+    again, *_ = moved_by_one_rounding((x,), seed=0)
+    assert np.array_equal(again.numpy(), after)  # the draw is fixed by the seed
+
+
 @pytest.mark.parametrize("name", CI_PROGRAMS)
 def test_stock_xla_does_not_fit_big(trials: Trials, name: str) -> None:
     program = PROGRAMS[name]
@@ -153,6 +171,7 @@ def _assert_equal(trials: Trials, name: str, key: str) -> dict[str, Any]:
     assert reason is None, (f"{name} at {program.small} (budget {format_size(record['budget_bytes'])}): {reason}; "
                             f"max rel err {record.get('max_rel_err')} (rtol {program.rtol}) at "
                             f"{record.get('detail')}, index mismatch {record.get('index_mismatch')}, tolerance "
-                            f"{record.get('tolerance')} (stock's spread {equality.get('stock_spread')}"
+                            f"{record.get('tolerance')} (stock's spread {equality.get('stock_spread')}, "
+                            f"samples {equality.get('stock_spreads')}"
                             f"{', not measured: ' + str(equality.get('stock_spread_error')) if equality.get('stock_spread_error') else ''})")
     return record
