@@ -176,11 +176,12 @@ ROUNDING_NOISE_ULPS = 1000
 # spread, and never beyond `SPREAD_LIMIT` times the rtol. The spread is the largest of
 # several samples of how far rounding moves stock's answer: TensorFlow's kernels against
 # XLA's, and stock XLA on the inputs moved by one rounding error each
-# (`SPREAD_PERTURBATIONS` draws). One sample alone is no bound: 15 CG steps on (K + ½I) α = y
-# at n=1,000, TensorFlow 7.2e-5 from XLA here and 2.8e-5 on CI, where a tfmem plan (chunked
-# K·p) was 2.0e-4 away and failed; the inputs moved by one rounding move XLA's answer by
-# 6.4e-5 to 8.3e-5, and with noise 5 by 1.7e-8 to 4.5e-7, 27 times apart. Against a long-double
-# reference, that tfmem plan is 3.1e-5 off, stock XLA 9.3e-5: the difference is rounding.
+# (`SPREAD_PERTURBATIONS` draws). One sample alone is no bound: on 15 CG steps on
+# (K + ½I) α = y at n=1,000, TensorFlow is 7.2e-5 from XLA here and was 2.8e-5 on CI, where
+# a tfmem plan (chunked K·p) 2.0e-4 away failed; tfmem's plans of it have been 6.4e-5 to
+# 2.6e-4 away, and the four moved inputs move XLA's answer by 1.3e-5 to 8.4e-5 here.
+# Against a long-double reference, tfmem's plan here is 3.1e-5 off and stock XLA 9.3e-5:
+# the difference is rounding.
 SPREAD_FACTOR = 4.0
 SPREAD_LIMIT = 1e5
 SPREAD_PERTURBATIONS = 4

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from benchmarks.corpus.programs import CI_PROGRAMS, PROGRAMS
 from benchmarks.corpus.run import failure_reason, start_trials, tfmem_step
@@ -115,8 +116,6 @@ def test_compare_allows_stock_own_spread_on_programs_that_amplify_rounding() -> 
 
 
 def test_the_inputs_moved_by_one_rounding_move_each_nonzero_float_one_ulp() -> None:
-    import tensorflow as tf
-
     x = tf.constant(np.linspace(-3.0, 3.0, 2001)[1:].reshape(1000, 2))  # one zero among them
     x32, index = tf.constant(np.arange(1.0, 7.0, dtype=np.float32)), tf.constant([3, 1])
     moved, moved32, moved_index = moved_by_one_rounding((x, x32, index), seed=0)
